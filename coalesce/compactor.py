@@ -1,0 +1,584 @@
+"""The compactor: pure functions that shrink a window of pending batches.
+
+No I/O, no threads, no clocks.  :func:`compact` takes the batches waiting to
+be sent, in order, and returns fewer (or equal) batches that leave every
+subscriber model in ``docs/event-semantics.md`` in the same final state.
+
+Events are recognised by their msgspec tag and fields, never by class
+identity, so vLLM's own ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``
+work as well as ours.  Rebuilt events keep their class (``msgspec.structs.replace``)
+and every field this module does not understand; two events merge only when
+all such fields are equal.  A batch holding any event this module does not
+recognise is passed through untouched and is a barrier: nothing is folded
+into it or moved across it.
+
+The rules, applied per folded group (one data-parallel rank, one batch class):
+
+1. *fold*: adjacent batches become one batch carrying the newest ``ts``;
+2. *supersede*: events before the group's last ``AllBlocksCleared`` are
+   dropped (the clear empties the source whatever came before), and a run of
+   clears becomes one;
+3. *cancel*: a store of key ``k`` and the next op on ``k``, a removal, vanish
+   together when the op on ``k`` before the store is a removal, the store is
+   certain to be accepted, the hash is the store's last block, and no store in
+   between names the hash as parent;
+4. *move* (opt-in): an adjacent store and removal of the same hashes in two
+   media (either order) become one :class:`~coalesce.events.BlockMoved`, sent
+   in a batch of its own;
+5. *sink removals*: a removal is delayed (and merged with later removals of the
+   same medium, group, locality and ownership, duplicates kept) until a store
+   that re-stores one of its keys or names one of its hashes as parent; this
+   also turns "remove from GPU, store in CPU" into "store in CPU, remove from
+   GPU";
+6. *chain*: adjacent stores where the next one's parent is the previous one's
+   last hash, all other fields equal, become one store.
+
+Cost: every pass is linear in the events and block hashes of the window
+(dict and set operations only); :func:`compact` allocates the output lists
+and rebuilt events, nothing proportional to anything but the window.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from coalesce.events import BlockMoved, BlockStored
+
+__all__ = [
+    "CLEARED",
+    "OPAQUE",
+    "REMOVED",
+    "STORED",
+    "CompactionReport",
+    "compact",
+    "event_kind",
+    "is_kv_batch",
+]
+
+OPAQUE, STORED, REMOVED, CLEARED = 0, 1, 2, 3
+"""Event kinds returned by :func:`event_kind`."""
+
+_STORED_REQUIRED = frozenset(
+    {"block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"}
+)
+_REMOVED_REQUIRED = frozenset({"block_hashes", "medium"})
+# Fields that hold one entry per block, or describe the chain: they are what a
+# chain merge concatenates, so they are not part of the "all other fields equal" test.
+_STORED_PER_BLOCK = frozenset(
+    {"block_hashes", "parent_block_hash", "token_ids", "extra_keys", "lookahead_token_ids"}
+)
+_REMOVED_KNOWN = frozenset({"block_hashes", "medium", "group_idx", "locality", "ownership"})
+_STORED_KNOWN = frozenset(BlockStored.__struct_fields__)
+
+_kind_cache: dict[type, int] = {}
+_attr_getter_cache: dict[tuple[type, frozenset[str]], Callable[[tuple[Any, ...]], Any]] = {}
+_REMOVED_PER_BLOCK = frozenset({"block_hashes"})
+
+
+def _classify(cls: type) -> int:
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        return OPAQUE
+    tag = cls.__struct_config__.tag
+    fields = frozenset(cls.__struct_fields__)
+    if tag == "BlockStored" and _STORED_REQUIRED <= fields:
+        return STORED
+    if tag == "BlockRemoved" and _REMOVED_REQUIRED <= fields:
+        return REMOVED
+    if tag == "AllBlocksCleared" and not fields:
+        return CLEARED
+    return OPAQUE
+
+
+def event_kind(event: object) -> int:
+    """Return ``STORED``, ``REMOVED``, ``CLEARED`` or ``OPAQUE`` for ``event``.
+
+    O(1) (one dict lookup once the class has been seen).  Recognition is by the
+    msgspec tag and required field names, so any struct shaped like vLLM's
+    events qualifies; anything else is ``OPAQUE``.
+    """
+    cls = type(event)
+    kind = _kind_cache.get(cls)
+    if kind is None:
+        kind = _classify(cls)
+        _kind_cache[cls] = kind
+    return kind
+
+
+def is_kv_batch(batch: Any) -> bool:
+    """True when every event of ``batch`` is a recognised KV event.  O(events)."""
+    return all(event_kind(ev) != OPAQUE for ev in batch.events)
+
+
+def _attr_getter(cls: type, per_block: frozenset[str]) -> Callable[[tuple[Any, ...]], Any]:
+    key = (cls, per_block)
+    getter = _attr_getter_cache.get(key)
+    if getter is None:
+        names: tuple[str, ...] = cls.__struct_fields__  # type: ignore[attr-defined]
+        idx = [i for i, f in enumerate(names) if f not in per_block]
+        getter = operator.itemgetter(*idx) if idx else (lambda _row: ())
+        _attr_getter_cache[key] = getter
+    return getter
+
+
+def _attrs(ev: Any, per_block: frozenset[str]) -> tuple[Any, ...]:
+    """The class and every field except the per-block ones: equal attrs => mergeable."""
+    cls = type(ev)
+    return (cls, _attr_getter(cls, per_block)(msgspec.structs.astuple(ev)))
+
+
+def _group(ev: Any) -> Any:
+    return getattr(ev, "group_idx", None)
+
+
+def _splittable(ev: Any) -> bool:
+    """A store whose per-block fields line up with its hashes can be cut or joined."""
+    n = len(ev.block_hashes)
+    ntok = len(ev.token_ids)
+    if ntok and ntok != ev.block_size * n:
+        return False
+    for name in ("extra_keys", "lookahead_token_ids"):
+        per = getattr(ev, name, None)
+        if per is not None and len(per) != n:
+            return False
+    return True
+
+
+def _truncate_store(ev: Any, keep: int) -> Any:
+    """The first ``keep`` blocks of a splittable store."""
+    changes: dict[str, Any] = {"block_hashes": ev.block_hashes[:keep]}
+    if ev.token_ids:
+        changes["token_ids"] = ev.token_ids[: keep * ev.block_size]
+    for name in ("extra_keys", "lookahead_token_ids"):
+        per = getattr(ev, name, None)
+        if per is not None:
+            changes[name] = per[:keep]
+    return msgspec.structs.replace(ev, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionReport:
+    """What one :func:`compact` call did.  Counts are of the window it was given."""
+
+    batches_in: int = 0
+    batches_out: int = 0
+    events_in: int = 0
+    events_out: int = 0
+    folded: int = 0
+    """Input batches folded into a previous one (batches_in - groups)."""
+    merged: int = 0
+    """Events that disappeared by being merged into a neighbour (removals, chains)."""
+    cancelled: int = 0
+    """Block hashes whose store and removal cancelled (each pair counts once)."""
+    superseded: int = 0
+    """Events dropped because a later ``AllBlocksCleared`` made them irrelevant."""
+    moved: int = 0
+    """Block hashes carried by ``BlockMoved`` events."""
+
+
+class _Counts:
+    __slots__ = ("cancelled", "merged", "moved", "superseded")
+
+    def __init__(self) -> None:
+        self.merged = self.cancelled = self.superseded = self.moved = 0
+
+
+# --- rule 2: supersede --------------------------------------------------------
+
+
+def _supersede(events: list[Any], counts: _Counts) -> list[Any]:
+    last_clear = -1
+    for i in range(len(events) - 1, -1, -1):
+        if event_kind(events[i]) == CLEARED:
+            last_clear = i
+            break
+    if last_clear <= 0:
+        return events
+    counts.superseded += last_clear
+    return events[last_clear:]
+
+
+# --- rule 3: cancel -----------------------------------------------------------
+
+
+class _StoreOp:
+    """The latest op on a key was this store (event ``idx``, block ``pos``)."""
+
+    __slots__ = ("after_removal", "idx", "pos", "prior", "sure")
+
+    def __init__(self, idx: int, pos: int, sure: bool, prior: object) -> None:
+        self.idx = idx
+        self.pos = pos
+        self.sure = sure
+        self.prior = prior
+        self.after_removal = prior is _REMOVAL
+
+
+_REMOVAL = object()  # "the latest op on this key was a removal"
+
+
+def _cancel(events: list[Any], counts: _Counts) -> list[Any]:
+    """Rule 3, one forward pass over stores and removals (no clears).  O(events + hashes)."""
+    last_op: dict[tuple[Any, Any, Any], object] = {}
+    last_child: dict[Any, int] = {}  # hash -> latest store event naming it as parent
+    alive: dict[int, int] = {}  # store idx -> blocks kept (a prefix)
+    splittable: dict[int, bool] = {}
+    dead: dict[int, set[int]] = {}  # removal idx -> cancelled positions
+    for i, ev in enumerate(events):
+        kind = event_kind(ev)
+        if kind == STORED:
+            medium, group, parent = ev.medium, _group(ev), ev.parent_block_hash
+            parent_op = last_op.get((medium, group, parent))
+            sure = parent is None or (isinstance(parent_op, _StoreOp) and parent_op.sure)
+            if parent is not None:
+                last_child[parent] = i
+            hashes = ev.block_hashes
+            for pos, h in enumerate(hashes):
+                key = (medium, group, h)
+                last_op[key] = _StoreOp(i, pos, sure, last_op.get(key))
+            alive[i] = len(hashes)
+            splittable[i] = _splittable(ev)
+        elif kind == REMOVED:
+            medium, group = ev.medium, _group(ev)
+            for pos, h in enumerate(ev.block_hashes):
+                key = (medium, group, h)
+                op = last_op.get(key)
+                if (
+                    isinstance(op, _StoreOp)
+                    and op.after_removal
+                    and op.sure
+                    and splittable[op.idx]
+                    and alive[op.idx] == op.pos + 1
+                    and last_child.get(h, -1) < op.idx
+                ):
+                    alive[op.idx] = op.pos
+                    dead.setdefault(i, set()).add(pos)
+                    last_op[key] = op.prior
+                    counts.cancelled += 1
+                else:
+                    last_op[key] = _REMOVAL
+    if not dead:
+        return events
+    out: list[Any] = []
+    for i, ev in enumerate(events):
+        if i in alive:
+            keep = alive[i]
+            if keep == len(ev.block_hashes):
+                out.append(ev)
+            elif keep:
+                out.append(_truncate_store(ev, keep))
+        elif i in dead:
+            gone = dead[i]
+            rest = [h for p, h in enumerate(ev.block_hashes) if p not in gone]
+            if rest:
+                out.append(msgspec.structs.replace(ev, block_hashes=rest))
+        else:
+            out.append(ev)
+    return out
+
+
+# --- rule 5: sink removals ----------------------------------------------------
+
+
+def _sink_removals(events: list[Any], counts: _Counts) -> list[Any]:
+    """Rule 5, one forward pass over stores, removals and moves (no clears).
+
+    O(events + hashes).  A held removal is flushed whole (all the hashes merged
+    into it) before the first store that conflicts with any of them.
+    """
+    out: list[Any] = []
+    # group key -> [first removal, hashes, number of removals merged]
+    held: dict[Hashable, list[Any]] = {}
+    by_hash: dict[Any, set[Hashable]] = {}
+    by_key: dict[tuple[Any, Any, Any], set[Hashable]] = {}
+
+    def flush(which: Iterable[Hashable]) -> None:
+        for gkey in which:
+            first, hashes, n = held.pop(gkey)
+            medium, group = first.medium, _group(first)
+            for h in hashes:
+                by_hash[h].discard(gkey)
+                by_key[(medium, group, h)].discard(gkey)
+            if n == 1:
+                out.append(first)
+            else:
+                counts.merged += n - 1
+                out.append(msgspec.structs.replace(first, block_hashes=hashes))
+
+    for ev in events:
+        kind = event_kind(ev)
+        if kind == REMOVED:
+            gkey: Hashable = _attrs(ev, _REMOVED_PER_BLOCK)
+            try:
+                hash(gkey)
+            except TypeError:  # an unhashable field we do not know: never merged
+                gkey = ("id", id(ev))
+            entry = held.get(gkey)
+            if entry is None:
+                held[gkey] = [ev, list(ev.block_hashes), 1]
+            else:
+                entry[1].extend(ev.block_hashes)
+                entry[2] += 1
+            medium, group = ev.medium, _group(ev)
+            for h in ev.block_hashes:
+                by_hash.setdefault(h, set()).add(gkey)
+                by_key.setdefault((medium, group, h), set()).add(gkey)
+        else:  # a store, or a BlockMoved (a store in to_medium, then a removal)
+            conflict: set[Hashable] = set()
+            parent = ev.parent_block_hash
+            if parent is not None and by_hash.get(parent):
+                conflict |= by_hash[parent]
+            medium = ev.medium if kind == STORED else ev.to_medium
+            group = _group(ev)
+            for h in ev.block_hashes:
+                hit = by_key.get((medium, group, h))
+                if hit:
+                    conflict |= hit
+            if conflict:
+                flush([g for g in held if g in conflict])
+            out.append(ev)
+    flush(list(held))
+    return out
+
+
+# --- rule 4: moves ------------------------------------------------------------
+
+
+def _movable(store: Any, removal: Any) -> bool:
+    return (
+        event_kind(store) == STORED
+        and event_kind(removal) == REMOVED
+        and store.medium != removal.medium
+        and list(store.block_hashes) == list(removal.block_hashes)
+        and _group(store) == _group(removal)
+        and getattr(store, "locality", None) == getattr(removal, "locality", None)
+        and getattr(store, "ownership", None) == getattr(removal, "ownership", None)
+        and frozenset(type(store).__struct_fields__) <= _STORED_KNOWN
+        and frozenset(type(removal).__struct_fields__) <= _REMOVED_KNOWN
+    )
+
+
+def _make_moves(events: list[Any], counts: _Counts) -> list[Any]:
+    """Rule 4, one pass over adjacent pairs.  O(events + hashes).
+
+    A store followed by the removal of the same hashes from another medium is
+    the move itself.  A removal followed by such a store (vLLM's own order) is
+    the same move once the removal is delayed past the store, which is exact
+    when the store's parent is not one of the removed hashes (rule 5).
+    """
+    out: list[Any] = []
+    i = 0
+    n = len(events)
+    while i < n:
+        ev = events[i]
+        nxt = events[i + 1] if i + 1 < n else None
+        if nxt is not None and _movable(ev, nxt):
+            store, removal = ev, nxt
+        elif (
+            nxt is not None
+            and _movable(nxt, ev)
+            and nxt.parent_block_hash not in ev.block_hashes
+        ):
+            store, removal = nxt, ev
+        else:
+            out.append(ev)
+            i += 1
+            continue
+        fields = {f: getattr(store, f) for f in type(store).__struct_fields__}
+        fields["to_medium"] = fields.pop("medium")
+        fields["from_medium"] = removal.medium
+        out.append(BlockMoved(**fields))
+        counts.moved += len(store.block_hashes)
+        counts.merged += 1
+        i += 2
+    return out
+
+
+# --- rule 6: chains -----------------------------------------------------------
+
+
+class _Chain:
+    """Stores being joined: the first event, then (once a second joins) the
+    concatenated per-block fields.  Nothing is copied for a store that stays alone."""
+
+    __slots__ = ("attrs", "extra", "first", "hashes", "lookahead", "n", "tokens")
+
+    def __init__(self, ev: Any) -> None:
+        self.first = ev
+        self.n = 1
+        self.attrs: tuple[Any, ...] | None = None
+        self.hashes: list[Any] = ev.block_hashes
+        self.tokens: list[int] = ev.token_ids
+        self.extra: list[Any] | None = getattr(ev, "extra_keys", None)
+        self.lookahead: list[Any] | None = getattr(ev, "lookahead_token_ids", None)
+
+    def accepts(self, ev: Any) -> bool:
+        if type(ev) is not type(self.first) or ev.parent_block_hash != self.hashes[-1]:
+            return False
+        if bool(self.tokens) != bool(ev.token_ids) or not _splittable(ev):
+            return False
+        if (self.extra is None) != (getattr(ev, "extra_keys", None) is None):
+            return False
+        if (self.lookahead is None) != (getattr(ev, "lookahead_token_ids", None) is None):
+            return False
+        if self.attrs is None:
+            self.attrs = _attrs(self.first, _STORED_PER_BLOCK)
+        return _attrs(ev, _STORED_PER_BLOCK) == self.attrs
+
+    def add(self, ev: Any) -> None:
+        if self.n == 1:  # copy on first join: never mutate an input event's lists
+            self.hashes = list(self.hashes)
+            self.tokens = list(self.tokens)
+            self.extra = None if self.extra is None else list(self.extra)
+            self.lookahead = None if self.lookahead is None else list(self.lookahead)
+        self.n += 1
+        self.hashes.extend(ev.block_hashes)
+        self.tokens.extend(ev.token_ids)
+        if self.extra is not None:
+            self.extra.extend(ev.extra_keys)
+        if self.lookahead is not None:
+            self.lookahead.extend(ev.lookahead_token_ids)
+
+    def build(self) -> Any:
+        if self.n == 1:
+            return self.first
+        changes: dict[str, Any] = {"block_hashes": self.hashes, "token_ids": self.tokens}
+        if self.extra is not None:
+            changes["extra_keys"] = self.extra
+        if self.lookahead is not None:
+            changes["lookahead_token_ids"] = self.lookahead
+        return msgspec.structs.replace(self.first, **changes)
+
+
+def _merge_chains(events: list[Any], counts: _Counts) -> list[Any]:
+    """Rule 6, one forward pass.  O(events + hashes).
+
+    A chain is only started when its parent's hash was not removed earlier in
+    the window: see "chain" in docs/event-semantics.md for why that is the one
+    condition a parent-checking subscriber needs.
+    """
+    out: list[Any] = []
+    removed: set[Any] = set()
+    chain: _Chain | None = None
+    chain_ok = False
+    for ev in events:
+        if event_kind(ev) == STORED:
+            if chain is not None and chain_ok and chain.accepts(ev):
+                chain.add(ev)
+                counts.merged += 1
+                continue
+            if chain is not None:
+                out.append(chain.build())
+            chain = _Chain(ev)
+            chain_ok = _splittable(ev) and ev.parent_block_hash not in removed
+            continue
+        if chain is not None:
+            out.append(chain.build())
+            chain = None
+        out.append(ev)
+        removed.update(ev.block_hashes)  # a removal or a BlockMoved
+    if chain is not None:
+        out.append(chain.build())
+    return out
+
+
+# --- the pipeline -------------------------------------------------------------
+
+
+def _compact_events(events: list[Any], move_events: bool, counts: _Counts) -> list[Any]:
+    events = _supersede(events, counts)
+    if events and event_kind(events[0]) == CLEARED:
+        # A run of clears is one clear; only the last one survived _supersede.
+        head, body = [events[0]], events[1:]
+    else:
+        head, body = [], events
+    body = _cancel(body, counts)
+    if move_events:
+        body = _make_moves(body, counts)
+    body = _sink_removals(body, counts)
+    body = _merge_chains(body, counts)
+    return head + body
+
+
+def _split_moves(events: list[Any]) -> list[list[Any]]:
+    """Runs of ``BlockMoved`` each get a batch of their own."""
+    parts: list[list[Any]] = []
+    for ev in events:
+        is_move = isinstance(ev, BlockMoved)
+        if parts and isinstance(parts[-1][0], BlockMoved) == is_move:
+            parts[-1].append(ev)
+        else:
+            parts.append([ev])
+    return parts
+
+
+def compact(
+    batches: Sequence[Any], *, move_events: bool = False
+) -> tuple[list[Any], CompactionReport]:
+    """Compact a window of pending batches; return the batches to send instead.
+
+    ``batches`` are ``EventBatch``-like msgspec structs (``ts``, ``events``,
+    ``data_parallel_rank``) in publish order.  Adjacent batches of the same
+    class and rank whose events are all recognised are folded and compacted;
+    any other batch is returned as it is, in place.  The result leaves every
+    model of ``docs/event-semantics.md`` in the state the input would have.
+
+    A group that compacts to nothing sends nothing.  A group that nothing
+    changed is returned as the very same batch object (so it encodes exactly
+    as it would have).  With ``move_events``, ``BlockMoved`` events are sent in
+    batches of their own.
+
+    Cost: O(events + block hashes) time and memory; no I/O.
+    """
+    counts = _Counts()
+    out: list[Any] = []
+    events_in = 0
+    groups = 0
+    i = 0
+    n = len(batches)
+    while i < n:
+        first = batches[i]
+        events_in += len(first.events)
+        groups += 1
+        if not is_kv_batch(first):
+            out.append(first)
+            i += 1
+            continue
+        j = i + 1
+        while (
+            j < n
+            and type(batches[j]) is type(first)
+            and batches[j].data_parallel_rank == first.data_parallel_rank
+            and is_kv_batch(batches[j])
+        ):
+            events_in += len(batches[j].events)
+            j += 1
+        events: list[Any] = []
+        for b in batches[i:j]:
+            events.extend(b.events)
+        new = _compact_events(events, move_events, counts)
+        last = batches[j - 1]
+        if j == i + 1 and len(new) == len(first.events) and all(
+            a is b for a, b in zip(new, first.events)
+        ):
+            out.append(first)
+        else:
+            for part in _split_moves(new):
+                out.append(msgspec.structs.replace(first, ts=last.ts, events=part))
+        i = j
+    report = CompactionReport(
+        batches_in=n,
+        batches_out=len(out),
+        events_in=events_in,
+        events_out=sum(len(b.events) for b in out),
+        folded=n - groups,
+        merged=counts.merged,
+        cancelled=counts.cancelled,
+        superseded=counts.superseded,
+        moved=counts.moved,
+    )
+    return out, report

@@ -1,0 +1,108 @@
+"""Reference subscriber models: what a subscriber believes after a stream.
+
+These are the oracles of the test suite and the demo; they are small and
+slow on purpose (clarity over speed).  One model instance is one source (one
+publisher / DP rank).  A key is ``(medium, group_idx, block_hash)``.
+
+Modes (see ``docs/event-semantics.md``):
+
+``"set"``
+    a plain set: a store adds the key, a removal discards it.
+``"refcount"``
+    a count per key: a store adds one, a removal subtracts one, a removal of a
+    key at zero is a no-op; a key is held while its count is positive.
+``"llmd"``
+    ``refcount``, and a store event whose ``parent_block_hash`` is not held in
+    any medium or group is dropped whole (llm-d's rule).
+``"dynamo"``
+    ``refcount``, and a store event whose parent is not held in the same medium
+    and group is dropped whole (Dynamo's indexer, as observed).
+
+Every mode empties on ``AllBlocksCleared`` and applies a ``BlockMoved`` as its
+store in ``to_medium`` followed by its removal from ``from_medium``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from coalesce.compactor import CLEARED, REMOVED, STORED, event_kind
+from coalesce.events import BlockMoved
+
+__all__ = ["Key", "Mode", "SubscriberModel"]
+
+Mode = Literal["set", "refcount", "llmd", "dynamo"]
+Key = tuple[Any, Any, Any]
+MODES: tuple[Mode, ...] = ("set", "refcount", "llmd", "dynamo")
+
+
+class SubscriberModel:
+    """The index one subscriber keeps for one source.  O(hashes) per event."""
+
+    def __init__(self, mode: Mode, start: Iterable[Key] | Counter[Key] = ()) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+        self.mode: Mode = mode
+        self.counts: Counter[Key] = Counter(start)
+        self.dropped_stores = 0
+        if mode == "set":
+            self.counts = Counter({k: 1 for k in self.counts})
+
+    def _held_hash(self, medium: Any, group: Any, h: Any) -> bool:
+        if self.mode == "dynamo":
+            return self.counts.get((medium, group, h), 0) > 0
+        return any(k[2] == h and c > 0 for k, c in self.counts.items())
+
+    def _store(self, ev: Any, medium: Any) -> None:
+        group = getattr(ev, "group_idx", None)
+        parent = ev.parent_block_hash
+        if (
+            self.mode in ("llmd", "dynamo")
+            and parent is not None
+            and not self._held_hash(medium, group, parent)
+        ):
+            self.dropped_stores += 1
+            return
+        for h in ev.block_hashes:
+            key = (medium, group, h)
+            self.counts[key] = 1 if self.mode == "set" else self.counts[key] + 1
+
+    def _remove(self, hashes: Iterable[Any], medium: Any, group: Any) -> None:
+        for h in hashes:
+            key = (medium, group, h)
+            c = self.counts.get(key, 0)
+            if c <= 1 or self.mode == "set":
+                self.counts.pop(key, None)
+            else:
+                self.counts[key] = c - 1
+
+    def apply_event(self, ev: Any) -> None:
+        """Apply one event; unknown events are ignored."""
+        if isinstance(ev, BlockMoved):
+            self._store(ev, ev.to_medium)
+            self._remove(ev.block_hashes, ev.from_medium, ev.group_idx)
+            return
+        kind = event_kind(ev)
+        if kind == STORED:
+            self._store(ev, ev.medium)
+        elif kind == REMOVED:
+            self._remove(ev.block_hashes, ev.medium, getattr(ev, "group_idx", None))
+        elif kind == CLEARED:
+            self.counts.clear()
+
+    def apply_batches(self, batches: Iterable[Any]) -> SubscriberModel:
+        """Apply every event of every batch, in order; returns ``self``."""
+        for batch in batches:
+            for ev in batch.events:
+                self.apply_event(ev)
+        return self
+
+    def state(self) -> dict[Key, int]:
+        """The held keys with their counts (1 in ``set`` mode)."""
+        return {k: c for k, c in self.counts.items() if c > 0}
+
+    def held(self) -> set[Key]:
+        """The held keys."""
+        return set(self.state())

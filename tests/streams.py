@@ -1,0 +1,113 @@
+"""Hypothesis strategies for KV-event streams, shared by the test modules.
+
+Hashes come from a fixed forest of chains (hash ``c*100+d`` has parent
+``c*100+d-1``), so a hash always names the same parent, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from hypothesis import strategies as st
+
+from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+CHAINS, DEPTH = 2, 4
+MEDIA = ("GPU", "CPU")
+GROUPS = (None, 1)
+GROUP_CHOICE = st.sampled_from((None, None, None, 1))  # mostly one group: keys collide more
+BLOCK = 2
+
+
+def parent_of(h: int) -> int | None:
+    return None if h % 100 == 0 else h - 1
+
+
+def hashes_from(c: int, d: int, n: int) -> list[int]:
+    return [c * 100 + x for x in range(d, min(d + n, DEPTH))]
+
+
+@st.composite
+def stores(draw: Any, medium: str | None = None, first: int | None = None) -> BlockStored:
+    if first is None:
+        c = draw(st.integers(0, CHAINS - 1))
+        d = draw(st.integers(0, DEPTH - 1))
+    else:
+        c, d = divmod(first, 100)
+    hs = hashes_from(c, d, draw(st.integers(1, 1 if first is not None else 3)))
+    tokens = draw(st.booleans())
+    extra = draw(st.booleans())
+    return BlockStored(
+        block_hashes=hs,
+        parent_block_hash=parent_of(hs[0]),
+        token_ids=[h * 10 + i for h in hs for i in range(BLOCK)] if tokens else [],
+        block_size=BLOCK,
+        lora_id=None,
+        medium=medium or draw(st.sampled_from(MEDIA)),
+        lora_name=None,
+        extra_keys=[("salt", h) for h in hs] if extra else None,
+        group_idx=draw(GROUP_CHOICE),
+    )
+
+
+hash_values = st.builds(lambda c, d: c * 100 + d, st.integers(0, CHAINS - 1), st.integers(0, DEPTH - 1))
+
+removals = st.builds(
+    lambda hs, m, g: BlockRemoved(block_hashes=hs, medium=m, group_idx=g),
+    st.lists(hash_values, min_size=1, max_size=3),
+    st.sampled_from(MEDIA),
+    GROUP_CHOICE,
+)
+
+
+@st.composite
+def tier_moves(draw: Any) -> list[Any]:
+    """vLLM's offload pattern: GPU removal, then the CPU store of the same block."""
+    h = draw(hash_values)
+    g = draw(GROUP_CHOICE)
+    store = draw(stores(medium="CPU", first=h))
+    store = type(store)(**{**{f: getattr(store, f) for f in store.__struct_fields__}, "group_idx": g})
+    return [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=g), store]
+
+
+event_lists = st.lists(
+    st.one_of(
+        stores().map(lambda e: [e]),
+        stores().map(lambda e: [e]),
+        removals.map(lambda e: [e]),
+        tier_moves(),
+        st.just([AllBlocksCleared()]),
+    ),
+    max_size=24,
+).map(lambda chunks: [e for c in chunks for e in c])
+
+
+@st.composite
+def batch_lists(draw: Any, events: Any = event_lists) -> list[KVEventBatch]:
+    evs = draw(events)
+    batches: list[KVEventBatch] = []
+    i = 0
+    while i < len(evs):
+        n = draw(st.integers(1, 4))
+        batches.append(KVEventBatch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0))
+        i += n
+    return batches
+
+
+ALL_KEYS = [(m, g, c * 100 + d) for m in MEDIA for g in GROUPS for c in range(CHAINS) for d in range(DEPTH)]
+
+any_state = st.dictionaries(st.sampled_from(ALL_KEYS), st.integers(1, 2), max_size=12).map(Counter)
+
+
+@st.composite
+def closed_state(draw: Any) -> Counter[Any]:
+    """A start state where every held block's parent is held in its medium and group."""
+    base = draw(any_state)
+    out: Counter[Any] = Counter(base)
+    for (m, g, h), _ in base.items():
+        p = parent_of(h)
+        while p is not None:
+            out[(m, g, p)] = max(out[(m, g, p)], 1)
+            p = parent_of(p)
+    return out

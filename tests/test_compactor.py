@@ -1,0 +1,258 @@
+"""The compactor's guarantees, checked against the reference models."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coalesce.compactor import compact
+from coalesce.events import (
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from coalesce.refmodel import MODES, SubscriberModel
+from tests.streams import any_state, batch_lists, closed_state
+
+settings.register_profile("ci", max_examples=1000, deadline=None)
+settings.load_profile("ci")
+
+
+def final(mode: Any, start: Counter[Any], batches: list[Any]) -> dict[Any, int]:
+    return SubscriberModel(mode, start).apply_batches(batches).state()
+
+
+def check_invariants(batches: list[Any], out: list[Any], move_events: bool) -> None:
+    """Structural invariants every compaction result must satisfy."""
+    for b in out:
+        kinds = {isinstance(e, BlockMoved) for e in b.events}
+        assert len(kinds) <= 1, "BlockMoved must travel in a batch of its own"
+        assert b.events, "no empty batches are produced"
+        for e in b.events:
+            if isinstance(e, BlockStored):
+                assert e.block_hashes
+                assert len(e.token_ids) in (0, e.block_size * len(e.block_hashes))
+                assert e.extra_keys is None or len(e.extra_keys) == len(e.block_hashes)
+            if isinstance(e, BlockRemoved):
+                assert e.block_hashes
+    if not move_events:
+        assert not any(isinstance(e, BlockMoved) for b in out for e in b.events)
+    assert sum(len(b.events) for b in out) <= sum(len(b.events) for b in batches)
+
+
+@given(batch_lists(), any_state, st.booleans())
+def test_set_and_refcount_models_agree_from_any_state(batches, start, moves):
+    out, _ = compact(batches, move_events=moves)
+    check_invariants(batches, out, moves)
+    for mode in ("set", "refcount"):
+        assert final(mode, start, out) == final(mode, start, batches), mode
+
+
+@given(batch_lists(), closed_state(), st.booleans())
+def test_parent_checking_models_agree_from_closed_states(batches, start, moves):
+    out, _ = compact(batches, move_events=moves)
+    for mode in ("llmd", "dynamo"):
+        assert final(mode, start, out) == final(mode, start, batches), mode
+
+
+@given(batch_lists(), st.booleans())
+def test_no_store_loses_a_parent_the_stream_provided(batches, moves):
+    """From an empty index, every model keeps exactly the stores the original keeps."""
+    out, _ = compact(batches, move_events=moves)
+    for mode in MODES:
+        a = SubscriberModel(mode).apply_batches(batches)
+        b = SubscriberModel(mode).apply_batches(out)
+        assert a.state() == b.state(), mode
+
+
+@given(batch_lists())
+def test_report_counts_add_up(batches):
+    out, rep = compact(batches)
+    assert rep.batches_in == len(batches)
+    assert rep.batches_out == len(out)
+    assert rep.events_in == sum(len(b.events) for b in batches)
+    assert rep.events_out == sum(len(b.events) for b in out)
+    assert rep.folded == max(0, len(batches) - 1)  # one rank, one class: one group
+
+
+@given(batch_lists())
+def test_compaction_is_idempotent_on_state(batches):
+    once, _ = compact(batches)
+    twice, _ = compact(once)
+    for mode in ("set", "refcount"):
+        assert final(mode, Counter(), twice) == final(mode, Counter(), once)
+
+
+def S(hs: list[int], parent: int | None, medium: str = "GPU", **kw: Any) -> BlockStored:
+    return BlockStored(hs, parent, [], 16, None, medium, None, **kw)
+
+
+def R(hs: list[int], medium: str = "GPU", **kw: Any) -> BlockRemoved:
+    return BlockRemoved(hs, medium, **kw)
+
+
+def events_of(batches: list[Any]) -> list[Any]:
+    return [e for b in batches for e in b.events]
+
+
+def B(*events: Any, ts: float = 1.0, rank: int | None = 0) -> KVEventBatch:
+    return KVEventBatch(ts, list(events), rank)
+
+
+def test_single_unchanged_batch_is_returned_as_is():
+    b = B(S([1], None), R([7]))
+    out, rep = compact([b])
+    assert out[0] is b
+    assert rep.merged == rep.cancelled == 0
+
+
+def test_fold_keeps_order_and_carries_the_newest_ts():
+    out, rep = compact([B(S([1], None), ts=1.0), B(R([9]), ts=2.0), B(S([5], None), ts=3.0)])
+    assert len(out) == 1 and out[0].ts == 3.0 and rep.folded == 2
+    assert [type(e).__name__ for e in out[0].events] == ["BlockStored", "BlockStored", "BlockRemoved"]
+
+
+def test_ranks_are_never_folded_together():
+    out, _ = compact([B(S([1], None), rank=0), B(S([2], 1), rank=1)])
+    assert [b.data_parallel_rank for b in out] == [0, 1]
+
+
+def test_removals_merge_keeping_duplicates():
+    out, rep = compact([B(R([1])), B(R([1])), B(R([2]))])
+    assert events_of(out) == [R([1, 1, 2])]
+    assert rep.merged == 2
+
+
+def test_removals_of_different_media_or_groups_do_not_merge():
+    out, _ = compact([B(R([1]), R([2], "CPU"), R([3], group_idx=1))])
+    assert len(events_of(out)) == 3
+
+
+def test_chained_stores_merge():
+    out, _ = compact([B(S([1], None)), B(S([2, 3], 1)), B(S([4], 3))])
+    assert events_of(out) == [S([1, 2, 3, 4], None)]
+
+
+def test_unchained_or_different_stores_do_not_merge():
+    out, _ = compact([B(S([1], None), S([5], 4), S([6], 5, "CPU"))])
+    assert len(events_of(out)) == 3
+
+
+def test_tier_move_becomes_store_then_removal():
+    out, _ = compact([B(R([2], "GPU"), S([2], 1, "CPU"))])
+    assert events_of(out) == [S([2], 1, "CPU"), R([2], "GPU")]
+
+
+def test_move_events_are_opt_in_and_alone():
+    batches = [B(S([1], None, "GPU")), B(R([2], "GPU"), S([2], 1, "CPU")), B(S([9], None))]
+    out, rep = compact(batches, move_events=True)
+    moves = [b for b in out if any(isinstance(e, BlockMoved) for e in b.events)]
+    assert len(moves) == 1 and len(moves[0].events) == 1
+    mv = moves[0].events[0]
+    assert (mv.from_medium, mv.to_medium, mv.block_hashes, mv.parent_block_hash) == ("GPU", "CPU", [2], 1)
+    assert rep.moved == 1
+
+
+def test_cancel_needs_a_known_absent_key_and_a_certain_store():
+    # remove, store (root: always accepted), remove  ->  remove
+    out, rep = compact([B(R([1]), S([1], None), R([1]))])
+    assert events_of(out) == [R([1])] and rep.cancelled == 1
+    # store, remove with no earlier removal: the key may have been held before
+    out, rep = compact([B(S([1], None), R([1]))])
+    assert rep.cancelled == 0
+    # the store's parent is not certainly held: the store may have been dropped
+    out, rep = compact([B(R([2]), S([2], 1), R([2]))])
+    assert rep.cancelled == 0
+
+
+def test_removal_is_not_delayed_past_a_store_naming_it_as_parent():
+    # llm-d checks the parent in any medium: GPU 1 must be gone before CPU 2 (parent 1) arrives
+    batches = [B(S([1], None, "GPU"), R([1], "GPU"), S([2], 1, "CPU"))]
+    out, _ = compact(batches)
+    assert events_of(out) == events_of(batches)
+    for mode in MODES:
+        assert final(mode, Counter(), out) == final(mode, Counter(), batches)
+
+
+def test_move_from_removal_first_only_when_the_store_does_not_need_the_removed_block():
+    # removal of 1 then a CPU store of 1 whose parent is 1 itself is not a move
+    batches = [B(R([1], "GPU"), S([1], 1, "CPU"))]
+    out, rep = compact(batches, move_events=True)
+    assert rep.moved == 0
+
+
+def test_chain_is_not_joined_through_a_removed_block():
+    # 1 was removed earlier in the window: a duplicate store of 1 may be dropped
+    # by a parent-checking subscriber while 2 (parent 1) is still accepted.
+    batches = [B(S([0], None, "CPU"), S([1], 0, "CPU"), R([0], "CPU"), S([1], 0, "CPU"), S([2], 1, "CPU"))]
+    out, _ = compact(batches)
+    for mode in MODES:
+        assert final(mode, Counter(), out) == final(mode, Counter(), batches), mode
+
+
+def test_cancel_never_orphans_a_child():
+    out, rep = compact([B(R([1]), S([1], None), S([2], 1, "CPU"), R([1]))])
+    assert rep.cancelled == 0
+
+
+def test_clear_supersedes_what_came_before_and_is_a_barrier():
+    out, rep = compact([B(S([1], None), R([3])), B(AllBlocksCleared(), AllBlocksCleared(), S([5], None))])
+    assert events_of(out) == [AllBlocksCleared(), S([5], None)]
+    assert rep.superseded == 3
+
+
+def test_opaque_batches_pass_untouched_and_split_folding():
+    class Custom(msgspec.Struct, tag=True):
+        x: int
+
+    opaque = B(Custom(1))
+    out, _ = compact([B(S([1], None)), opaque, B(S([2], 1))])
+    assert out[1] is opaque and len(out) == 3
+
+
+class BlockStored2(msgspec.Struct, tag="BlockStored", omit_defaults=True):
+    """A foreign class shaped like vLLM's, with a field this project does not know."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    future_field: str = "x"
+
+
+def test_foreign_classes_are_recognised_and_unknown_fields_kept():
+    a = BlockStored2([1], None, [], 4, None, "GPU", None, future_field="f")
+    b = BlockStored2([2], 1, [], 4, None, "GPU", None, future_field="f")
+    c = BlockStored2([3], 2, [], 4, None, "GPU", None, future_field="other")
+    out, _ = compact([B(a), B(b), B(c)])
+    evs = events_of(out)
+    assert [type(e) for e in evs] == [BlockStored2, BlockStored2]
+    assert evs[0].block_hashes == [1, 2] and evs[0].future_field == "f"
+    assert evs[1] is c
+
+
+def test_bytes_hashes_work():
+    out, _ = compact([B(S([b"a"], None)), B(S([b"b"], b"a")), B(R([b"x"])), B(R([b"y"]))])  # type: ignore[list-item]
+    assert len(events_of(out)) == 2
+
+
+@pytest.mark.parametrize("n", [10, 1000])
+def test_cost_is_linear_shape(n):
+    """Not a timing test: the work is one pass, so a long offload run compacts in one call."""
+    batches = []
+    for i in range(n):
+        batches.append(B(R([i + 1], "GPU"), S([i + 1], i or None, "CPU")))
+    out, rep = compact(batches)
+    assert rep.events_in == 2 * n
+    for mode in MODES:
+        assert final(mode, Counter(), out) == final(mode, Counter(), batches)
