@@ -85,9 +85,9 @@ def _classify(cls: type) -> int:
         return OPAQUE
     tag = cls.__struct_config__.tag
     fields = frozenset(cls.__struct_fields__)
-    if tag == "BlockStored" and _STORED_REQUIRED <= fields:
+    if tag == "BlockStored" and fields >= _STORED_REQUIRED:
         return STORED
-    if tag == "BlockRemoved" and _REMOVED_REQUIRED <= fields:
+    if tag == "BlockRemoved" and fields >= _REMOVED_REQUIRED:
         return REMOVED
     if tag == "AllBlocksCleared" and not fields:
         return CLEARED
@@ -378,11 +378,7 @@ def _make_moves(events: list[Any], counts: _Counts) -> list[Any]:
         nxt = events[i + 1] if i + 1 < n else None
         if nxt is not None and _movable(ev, nxt):
             store, removal = ev, nxt
-        elif (
-            nxt is not None
-            and _movable(nxt, ev)
-            and nxt.parent_block_hash not in ev.block_hashes
-        ):
+        elif nxt is not None and _movable(nxt, ev) and nxt.parent_block_hash not in ev.block_hashes:
             store, removal = nxt, ev
         else:
             out.append(ev)
@@ -562,8 +558,10 @@ def compact(
             events.extend(b.events)
         new = _compact_events(events, move_events, counts)
         last = batches[j - 1]
-        if j == i + 1 and len(new) == len(first.events) and all(
-            a is b for a, b in zip(new, first.events)
+        if (
+            j == i + 1
+            and len(new) == len(first.events)
+            and all(a is b for a, b in zip(new, first.events, strict=True))
         ):
             out.append(first)
         else:

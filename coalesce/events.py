@@ -16,11 +16,11 @@ hashes from ``from_medium``".
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import msgspec
 
-ExternalBlockHash = Union[bytes, int]
+ExternalBlockHash: TypeAlias = bytes | int
 """A block hash: an unsigned 64-bit ``int`` by default, raw ``bytes`` when
 vLLM runs with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``."""
 

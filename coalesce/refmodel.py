@@ -45,15 +45,24 @@ class SubscriberModel:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
         self.mode: Mode = mode
-        self.counts: Counter[Key] = Counter(start)
+        self.counts: Counter[Key] = Counter()
+        self._keys_with_hash: Counter[Any] = Counter()  # hash -> held keys with that hash
         self.dropped_stores = 0
-        if mode == "set":
-            self.counts = Counter({k: 1 for k in self.counts})
+        for key, n in Counter(start).items():
+            for _ in range(1 if mode == "set" else n):
+                self._add(key)
+
+    def _add(self, key: Key) -> None:
+        c = self.counts[key]
+        if c == 0:
+            self._keys_with_hash[key[2]] += 1
+        if self.mode != "set" or c == 0:
+            self.counts[key] = c + 1
 
     def _held_hash(self, medium: Any, group: Any, h: Any) -> bool:
         if self.mode == "dynamo":
             return self.counts.get((medium, group, h), 0) > 0
-        return any(k[2] == h and c > 0 for k, c in self.counts.items())
+        return self._keys_with_hash.get(h, 0) > 0
 
     def _store(self, ev: Any, medium: Any) -> None:
         group = getattr(ev, "group_idx", None)
@@ -66,15 +75,21 @@ class SubscriberModel:
             self.dropped_stores += 1
             return
         for h in ev.block_hashes:
-            key = (medium, group, h)
-            self.counts[key] = 1 if self.mode == "set" else self.counts[key] + 1
+            self._add((medium, group, h))
 
     def _remove(self, hashes: Iterable[Any], medium: Any, group: Any) -> None:
         for h in hashes:
             key = (medium, group, h)
             c = self.counts.get(key, 0)
-            if c <= 1 or self.mode == "set":
-                self.counts.pop(key, None)
+            if c == 0:
+                continue
+            if c == 1 or self.mode == "set":
+                del self.counts[key]
+                left = self._keys_with_hash[h] - 1
+                if left:
+                    self._keys_with_hash[h] = left
+                else:
+                    del self._keys_with_hash[h]
             else:
                 self.counts[key] = c - 1
 
@@ -91,6 +106,7 @@ class SubscriberModel:
             self._remove(ev.block_hashes, ev.medium, getattr(ev, "group_idx", None))
         elif kind == CLEARED:
             self.counts.clear()
+            self._keys_with_hash.clear()
 
     def apply_batches(self, batches: Iterable[Any]) -> SubscriberModel:
         """Apply every event of every batch, in order; returns ``self``."""

@@ -51,7 +51,9 @@ def stores(draw: Any, medium: str | None = None, first: int | None = None) -> Bl
     )
 
 
-hash_values = st.builds(lambda c, d: c * 100 + d, st.integers(0, CHAINS - 1), st.integers(0, DEPTH - 1))
+hash_values = st.builds(
+    lambda c, d: c * 100 + d, st.integers(0, CHAINS - 1), st.integers(0, DEPTH - 1)
+)
 
 removals = st.builds(
     lambda hs, m, g: BlockRemoved(block_hashes=hs, medium=m, group_idx=g),
@@ -67,7 +69,9 @@ def tier_moves(draw: Any) -> list[Any]:
     h = draw(hash_values)
     g = draw(GROUP_CHOICE)
     store = draw(stores(medium="CPU", first=h))
-    store = type(store)(**{**{f: getattr(store, f) for f in store.__struct_fields__}, "group_idx": g})
+    store = type(store)(
+        **{**{f: getattr(store, f) for f in store.__struct_fields__}, "group_idx": g}
+    )
     return [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=g), store]
 
 
@@ -90,12 +94,16 @@ def batch_lists(draw: Any, events: Any = event_lists) -> list[KVEventBatch]:
     i = 0
     while i < len(evs):
         n = draw(st.integers(1, 4))
-        batches.append(KVEventBatch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0))
+        batches.append(
+            KVEventBatch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0)
+        )
         i += n
     return batches
 
 
-ALL_KEYS = [(m, g, c * 100 + d) for m in MEDIA for g in GROUPS for c in range(CHAINS) for d in range(DEPTH)]
+ALL_KEYS = [
+    (m, g, c * 100 + d) for m in MEDIA for g in GROUPS for c in range(CHAINS) for d in range(DEPTH)
+]
 
 any_state = st.dictionaries(st.sampled_from(ALL_KEYS), st.integers(1, 2), max_size=12).map(Counter)
 

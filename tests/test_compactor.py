@@ -116,7 +116,11 @@ def test_single_unchanged_batch_is_returned_as_is():
 def test_fold_keeps_order_and_carries_the_newest_ts():
     out, rep = compact([B(S([1], None), ts=1.0), B(R([9]), ts=2.0), B(S([5], None), ts=3.0)])
     assert len(out) == 1 and out[0].ts == 3.0 and rep.folded == 2
-    assert [type(e).__name__ for e in out[0].events] == ["BlockStored", "BlockStored", "BlockRemoved"]
+    assert [type(e).__name__ for e in out[0].events] == [
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+    ]
 
 
 def test_ranks_are_never_folded_together():
@@ -156,7 +160,12 @@ def test_move_events_are_opt_in_and_alone():
     moves = [b for b in out if any(isinstance(e, BlockMoved) for e in b.events)]
     assert len(moves) == 1 and len(moves[0].events) == 1
     mv = moves[0].events[0]
-    assert (mv.from_medium, mv.to_medium, mv.block_hashes, mv.parent_block_hash) == ("GPU", "CPU", [2], 1)
+    assert (mv.from_medium, mv.to_medium, mv.block_hashes, mv.parent_block_hash) == (
+        "GPU",
+        "CPU",
+        [2],
+        1,
+    )
     assert rep.moved == 1
 
 
@@ -165,10 +174,10 @@ def test_cancel_needs_a_known_absent_key_and_a_certain_store():
     out, rep = compact([B(R([1]), S([1], None), R([1]))])
     assert events_of(out) == [R([1])] and rep.cancelled == 1
     # store, remove with no earlier removal: the key may have been held before
-    out, rep = compact([B(S([1], None), R([1]))])
+    _, rep = compact([B(S([1], None), R([1]))])
     assert rep.cancelled == 0
     # the store's parent is not certainly held: the store may have been dropped
-    out, rep = compact([B(R([2]), S([2], 1), R([2]))])
+    _, rep = compact([B(R([2]), S([2], 1), R([2]))])
     assert rep.cancelled == 0
 
 
@@ -184,26 +193,30 @@ def test_removal_is_not_delayed_past_a_store_naming_it_as_parent():
 def test_move_from_removal_first_only_when_the_store_does_not_need_the_removed_block():
     # removal of 1 then a CPU store of 1 whose parent is 1 itself is not a move
     batches = [B(R([1], "GPU"), S([1], 1, "CPU"))]
-    out, rep = compact(batches, move_events=True)
+    _, rep = compact(batches, move_events=True)
     assert rep.moved == 0
 
 
 def test_chain_is_not_joined_through_a_removed_block():
     # 1 was removed earlier in the window: a duplicate store of 1 may be dropped
     # by a parent-checking subscriber while 2 (parent 1) is still accepted.
-    batches = [B(S([0], None, "CPU"), S([1], 0, "CPU"), R([0], "CPU"), S([1], 0, "CPU"), S([2], 1, "CPU"))]
+    batches = [
+        B(S([0], None, "CPU"), S([1], 0, "CPU"), R([0], "CPU"), S([1], 0, "CPU"), S([2], 1, "CPU"))
+    ]
     out, _ = compact(batches)
     for mode in MODES:
         assert final(mode, Counter(), out) == final(mode, Counter(), batches), mode
 
 
 def test_cancel_never_orphans_a_child():
-    out, rep = compact([B(R([1]), S([1], None), S([2], 1, "CPU"), R([1]))])
+    _, rep = compact([B(R([1]), S([1], None), S([2], 1, "CPU"), R([1]))])
     assert rep.cancelled == 0
 
 
 def test_clear_supersedes_what_came_before_and_is_a_barrier():
-    out, rep = compact([B(S([1], None), R([3])), B(AllBlocksCleared(), AllBlocksCleared(), S([5], None))])
+    out, rep = compact(
+        [B(S([1], None), R([3])), B(AllBlocksCleared(), AllBlocksCleared(), S([5], None))]
+    )
     assert events_of(out) == [AllBlocksCleared(), S([5], None)]
     assert rep.superseded == 3
 

@@ -1,0 +1,142 @@
+"""The backlog: the hand-off from the engine thread to the sender thread.
+
+One ``collections.deque``: the engine thread appends, the sender thread pops
+from the other end.  Both are atomic under the GIL, so neither side ever waits
+for the other and no lock exists.  Each counter is written by one thread only
+and merely read by the other.
+
+Loss is recorded in order: when ``offer()`` refuses a batch it remembers it,
+and the next batch it accepts is preceded by a ``LOSS`` marker, so the sender
+skips a sequence number exactly where the loss happened.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Final
+
+__all__ = ["LOSS", "Backlog"]
+
+
+class _Loss:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LOSS"
+
+
+LOSS: Final = _Loss()
+"""Marker in the backlog: batches were lost here; the sender skips a seq."""
+
+
+class Backlog:
+    """Bounded by the caller's budget, not by blocking.
+
+    Engine thread: :meth:`offer`, :meth:`note_loss`.  Sender thread:
+    :meth:`take_one`, :meth:`take`.  Any thread: the read-only properties.
+    """
+
+    def __init__(self, max_batches: int, max_events: int) -> None:
+        self._q: deque[Any] = deque()
+        self.max_batches = max_batches
+        self.max_events = max_events
+        # written by the engine thread
+        self.batches_in = 0
+        self.events_in = 0
+        self.batches_dropped = 0
+        self.events_dropped = 0
+        self.peak = 0
+        self._unmarked_loss = False
+        # written by the sender thread
+        self.batches_out = 0
+        self.events_out = 0
+
+    # -- engine thread -------------------------------------------------------
+
+    def offer(self, batch: Any, n_events: int) -> bool:
+        """Queue ``batch`` unless the budget is spent.  O(1); never blocks.
+
+        The budget: ``max_batches`` batches and ``max_events`` events published
+        but not yet taken by the sender.  Over budget the batch is refused
+        (returns False) and counted; the loss will show as a sequence gap.
+        """
+        if (
+            self.batches_in - self.batches_out >= self.max_batches
+            or self.events_in - self.events_out + n_events > self.max_events
+        ):
+            self.batches_dropped += 1
+            self.events_dropped += n_events
+            self._unmarked_loss = True
+            return False
+        q = self._q
+        if self._unmarked_loss:
+            self._unmarked_loss = False
+            q.append(LOSS)
+        q.append(batch)
+        self.batches_in += 1
+        self.events_in += n_events
+        n = len(q)
+        if n > self.peak:
+            self.peak = n
+        return True
+
+    def note_loss(self, batches: int, events: int) -> None:
+        """Count batches lost outside :meth:`offer` and mark the loss in order."""
+        self.batches_dropped += batches
+        self.events_dropped += events
+        self._q.append(LOSS)
+
+    def mark_pending_loss(self) -> None:
+        """Put the marker for refused batches in now (no later batch will)."""
+        if self._unmarked_loss:
+            self._unmarked_loss = False
+            self._q.append(LOSS)
+
+    # -- sender thread -------------------------------------------------------
+
+    def take_one(self) -> Any:
+        """Pop the oldest item: a batch or ``LOSS``.  O(1).  The backlog must not be empty."""
+        item = self._q.popleft()
+        if item is not LOSS:
+            self.batches_out += 1
+            self.events_out += len(item.events)
+        return item
+
+    def take(self, max_events: int) -> list[Any] | _Loss:
+        """Pop batches holding up to ``max_events`` events (at least one batch).
+
+        Stops before a ``LOSS`` marker; if the oldest item is one, pops and
+        returns ``LOSS``.  O(batches taken).  The backlog must not be empty.
+        """
+        q = self._q
+        if q[0] is LOSS:
+            return q.popleft()  # type: ignore[no-any-return]
+        out: list[Any] = []
+        events = 0
+        while q and q[0] is not LOSS:
+            n = len(q[0].events)
+            if out and events + n > max_events:
+                break
+            out.append(q.popleft())
+            events += n
+        self.batches_out += len(out)
+        self.events_out += events
+        return out
+
+    # -- any thread ----------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Items waiting (batches and markers).  O(1)."""
+        return len(self._q)
+
+    def drain(self) -> tuple[int, int]:
+        """Discard what is left (shutdown past its deadline); return (batches, events)."""
+        batches = events = 0
+        while self._q:
+            item = self._q.popleft()
+            if item is not LOSS:
+                batches += 1
+                events += len(item.events)
+        self.batches_out += batches
+        self.events_out += events
+        return batches, events

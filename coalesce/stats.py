@@ -1,0 +1,67 @@
+"""A frozen snapshot of what a publisher has done."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["PublisherStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStats:
+    """Counters since construction; ``backlog_*`` are batches waiting for the sender.
+
+    Every loss is counted in ``batches_dropped`` (refused by ``publish()``
+    over budget, or abandoned by ``shutdown()``) or ``encode_failures``, and
+    each loss episode is one skipped sequence number (``seq_gaps``).
+    """
+
+    batches_in: int
+    """Batches ``publish()`` accepted."""
+    events_in: int
+    """Events in those batches."""
+    blocks_in: int
+    """Block hashes in the batches the sender has taken (counted off the caller's thread)."""
+    batches_dropped: int
+    """Batches lost: refused over budget by ``publish()`` or abandoned at shutdown."""
+    events_dropped: int
+    """Events in those batches."""
+    encode_failures: int
+    """Batches the encoder rejected (lost, and visible as a gap)."""
+    seq_gaps: int
+    """Sequence numbers skipped to make losses visible on the wire."""
+    messages_sent: int
+    """ZMQ messages (batches) sent on the PUB socket."""
+    events_sent: int
+    """Events in those messages."""
+    blocks_sent: int
+    """Block hashes in those messages."""
+    bytes_sent: int
+    """Payload bytes sent (the third frame only)."""
+    batches_folded: int
+    """Input batches folded into another batch."""
+    events_merged: int
+    """Events that disappeared by being merged into a neighbour."""
+    blocks_cancelled: int
+    """Store/remove pairs that cancelled (block hashes)."""
+    events_superseded: int
+    """Events made irrelevant by a later ``AllBlocksCleared``."""
+    blocks_moved: int
+    """Block hashes sent inside opt-in ``BlockMoved`` events."""
+    compaction_passes: int
+    """Compaction steps run by the sender."""
+    backlog_batches: int
+    """Batches waiting for the sender right now."""
+    backlog_peak: int
+    """The largest ``backlog_batches`` seen by ``publish()``."""
+    replay_requests: int
+    """Well-formed replay requests answered."""
+    replay_invalid: int
+    """Replay requests ignored (wrong frame count or seq length)."""
+    replay_messages: int
+    """Buffered messages re-sent to replay clients."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The snapshot as a plain dict (for JSON or metrics)."""
+        return asdict(self)

@@ -1,0 +1,125 @@
+"""Shared fixtures: real ZeroMQ sockets and a small subscriber helper."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from coalesce.events import KVEventBatch
+
+END = b"\xff" * 8
+_names = itertools.count()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def inproc(name: str) -> str:
+    return f"inproc://{name}-{os.getpid()}-{next(_names)}"
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.002)
+
+
+class Sub:
+    """A SUB socket (and optional DEALER replay client) that decodes what it gets."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"", replay: str | None = None) -> None:
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.replay_endpoint = replay
+        self.messages: list[tuple[bytes, int, bytes]] = []
+
+    def recv(self, timeout: float = 10.0) -> tuple[bytes, int, bytes]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no message within {timeout}s")
+        frames = self.sock.recv_multipart()
+        assert len(frames) == 3, frames
+        msg = (frames[0], int.from_bytes(frames[1], "big"), frames[2])
+        self.messages.append(msg)
+        return msg
+
+    def recv_until_seq(self, seq: int, timeout: float = 10.0) -> list[tuple[bytes, int, bytes]]:
+        deadline = time.monotonic() + timeout
+        while not self.messages or self.messages[-1][1] < seq:
+            self.recv(max(0.01, deadline - time.monotonic()))
+        return self.messages
+
+    def nothing_within(self, timeout: float) -> bool:
+        return not self.sock.poll(int(timeout * 1000))
+
+    def replay(self, start: int, timeout: float = 10.0) -> list[tuple[bytes, int, bytes]]:
+        """Ask for replay from ``start``; return the 5-frame replies' (topic, seq, payload)."""
+        assert self.replay_endpoint is not None
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        try:
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            out = []
+            while True:
+                if not dealer.poll(int(timeout * 1000)):
+                    raise AssertionError("replay reply timed out")
+                frames = dealer.recv_multipart()
+                assert len(frames) == 4 and frames[0] == b"", frames
+                _, topic, seq, payload = frames
+                if seq == END:
+                    assert topic == b"" and payload == b""
+                    return out
+                out.append((topic, int.from_bytes(seq, "big"), payload))
+        finally:
+            dealer.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def make_sub() -> Iterator[Callable[..., Sub]]:
+    subs: list[Sub] = []
+
+    def make(*args: Any, **kw: Any) -> Sub:
+        s = Sub(*args, **kw)
+        subs.append(s)
+        return s
+
+    yield make
+    for s in subs:
+        s.close()
+
+
+@contextmanager
+def starved_sender() -> Iterator[None]:
+    """Keep the GIL on this thread: the sender thread cannot run until we block or exit."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def decode(payload: bytes) -> KVEventBatch:
+    return msgspec.msgpack.decode(payload, type=KVEventBatch)

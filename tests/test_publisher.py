@@ -1,0 +1,337 @@
+"""The publisher over real ZeroMQ sockets (inproc and tcp loopback)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from coalesce import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CoalescingPublisher,
+    EventBatch,
+    KVEventBatch,
+    PublishOutcome,
+)
+from coalesce.refmodel import MODES, SubscriberModel
+from tests.conftest import decode, free_port, inproc, starved_sender, wait_for
+
+
+def store(h: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
+    return BlockStored([h], parent, list(range(4)), 4, None, medium, None)
+
+
+def batch(*events: Any, ts: float = 1.0, rank: int | None = None) -> KVEventBatch:
+    return KVEventBatch(ts, list(events), rank)
+
+
+def offload_batch(i: int) -> KVEventBatch:
+    """vLLM's offload burst: GPU store, GPU eviction of an older block, its CPU copy."""
+    evs: list[Any] = [store(i + 1, i or None)]
+    if i >= 4:
+        evs += [BlockRemoved([i - 3], "GPU"), store(i - 3, (i - 4) or None, "CPU")]
+    return batch(*evs, ts=float(i))
+
+
+@pytest.fixture
+def pubs():
+    made: list[CoalescingPublisher] = []
+
+    def make(**kw: Any) -> CoalescingPublisher:
+        p = CoalescingPublisher(**kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.shutdown()
+
+
+def test_inproc_first_seq_is_zero_and_seqs_are_contiguous(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)  # inproc: connected before bind, so nothing is missed
+    p = pubs(endpoint=ep)
+    batches = [batch(store(i)) for i in range(50)]
+    for k, b in enumerate(batches):  # one at a time: below the high watermark
+        assert p.publish(b) is PublishOutcome.QUEUED
+        wait_for(lambda k=k: p.stats().messages_sent == k + 1, what=f"message {k}")
+    msgs = sub.recv_until_seq(49)
+    assert p.stats().compaction_passes == 0
+    assert [m[1] for m in msgs] == list(range(50))
+    assert all(m[0] == b"" for m in msgs)
+    # below the high watermark every batch goes out 1:1, byte for byte
+    enc = msgspec.msgpack.Encoder()
+    for b, m in zip(batches, msgs, strict=True):
+        assert b.data_parallel_rank == 0
+        assert m[2] == enc.encode(b)
+
+
+def test_tcp_loopback_with_replay(pubs, make_sub):
+    port, rport = free_port(), free_port()
+    p = pubs(
+        endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}", topic="kv", compaction=False
+    )
+    sub = make_sub(f"tcp://127.0.0.1:{port}", b"kv", replay=f"tcp://127.0.0.1:{rport}")
+    # a tcp subscriber may join late: publish until it hears something, then replay the rest
+    i = 0
+    while sub.nothing_within(0.01):
+        p.publish(batch(store(i)))
+        i += 1
+        assert i < 10_000, "subscriber never connected"
+    first = sub.recv()
+    for j in range(i, i + 20):
+        p.publish(batch(store(j)))
+    live = sub.recv_until_seq(i + 19)
+    seqs = [m[1] for m in live]
+    assert seqs == list(range(first[1], i + 20)), "live stream must be contiguous"
+    replayed = sub.replay(0)
+    assert [m[1] for m in replayed] == list(range(i + 20))
+    assert all(m[0] == b"kv" for m in replayed)
+    assert {m[1]: m[2] for m in replayed}[first[1]] == first[2]
+
+
+def test_replay_from_a_seq_and_buffer_limit(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep, replay=inproc("replay"))
+    p = pubs(endpoint=ep, replay_endpoint=sub.replay_endpoint, buffer_steps=5)
+    for i in range(20):
+        p.publish(batch(store(i)))
+        wait_for(lambda i=i: p.stats().messages_sent == i + 1, what=f"message {i}")
+    sub.recv_until_seq(19)
+    assert [m[1] for m in sub.replay(17)] == [17, 18, 19]
+    assert [m[1] for m in sub.replay(0)] == [15, 16, 17, 18, 19]  # older ones evicted
+    assert sub.replay(20) == []
+    assert p.stats().replay_requests == 3
+
+
+def test_malformed_replay_requests_are_ignored_and_counted(pubs, make_sub):
+    ep, rep = inproc("pub"), inproc("replay")
+    sub = make_sub(ep, replay=rep)
+    p = pubs(endpoint=ep, replay_endpoint=rep)
+    p.publish(batch(store(1)))
+    sub.recv_until_seq(0)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep)
+    try:
+        dealer.send_multipart([b"", b"\x00\x01"])  # short seq
+        dealer.send_multipart([b"", b"\x00" * 8, b"extra"])  # wrong frame count
+        wait_for(lambda: p.stats().replay_invalid == 2, what="invalid requests counted")
+        assert dealer.poll(50) == 0  # nothing answered
+    finally:
+        dealer.close()
+    assert [m[1] for m in sub.replay(0)] == [0]  # still serving
+    p.publish(batch(store(2)))
+    assert sub.recv_until_seq(1)[-1][1] == 1  # still publishing
+
+
+def test_topic_filtering(pubs, make_sub):
+    ep = inproc("pub")
+    mine, other = make_sub(ep, b"kv"), make_sub(ep, b"zz")
+    p = pubs(endpoint=ep, topic="kv", compaction=False)
+    for i in range(5):
+        p.publish(batch(store(i)))
+    assert [m[0] for m in mine.recv_until_seq(4)] == [b"kv"] * 5
+    assert other.nothing_within(0.2)
+
+
+def test_dp_rank_offsets_endpoints_and_tags_batches(pubs, make_sub):
+    base = inproc("pub")
+    sub = make_sub(base + "_dp2")
+    p = pubs(data_parallel_rank=2, endpoint=base, compaction=False)
+    assert p.config.endpoint == base + "_dp2"
+    p.publish(batch(store(1)))
+    p.publish(batch(store(2), rank=7))  # an explicit rank is kept
+    msgs = sub.recv_until_seq(1)
+    assert [decode(m[2]).data_parallel_rank for m in msgs] == [2, 7]
+
+    port = free_port()
+    tp = pubs(data_parallel_rank=1, endpoint=f"tcp://*:{port - 1}", replay_endpoint=None)
+    assert tp.config.endpoint == f"tcp://*:{port}"
+    with pytest.raises(ValueError, match="must contain"):
+        CoalescingPublisher(data_parallel_rank=1, endpoint="ipc:///tmp/x")
+
+
+class Sample(msgspec.Struct, tag=True):
+    """A non-KV event, like the ones vLLM's own tests publish."""
+
+    value: int
+
+
+class SampleBatch(EventBatch):
+    events: list[Sample]
+
+
+def test_generic_event_batches_pass_untouched(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=1)
+    with starved_sender():  # force compaction of everything queued
+        for i in range(10):
+            p.publish(SampleBatch(float(i), [Sample(i)]))
+    msgs = sub.recv_until_seq(9)
+    got = [msgspec.msgpack.decode(m[2], type=SampleBatch) for m in msgs]
+    assert [b.events[0].value for b in got] == list(range(10))
+
+
+def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=2)
+    batches = [offload_batch(i) for i in range(300)] + [batch(AllBlocksCleared())]
+    batches += [offload_batch(i) for i in range(300, 400)]
+    with starved_sender():
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    wait_for(lambda: p.stats().backlog_batches == 0, what="backlog drained")
+    st = p.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    assert [m[1] for m in msgs] == list(range(len(msgs)))
+    assert st.messages_sent < len(batches) and st.batches_folded > 0
+    assert st.compaction_passes > 0 and st.batches_dropped == 0 and st.seq_gaps == 0
+    assert st.events_sent == sum(len(decode(m[2]).events) for m in msgs)
+    received = [decode(m[2]) for m in msgs]
+    for mode in MODES:
+        want = SubscriberModel(mode).apply_batches(batches).state()
+        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+
+
+def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1)
+    with starved_sender():
+        outcomes = Counter(p.publish(batch(store(i))) for i in range(1000))
+    assert outcomes[PublishOutcome.QUEUED] == 5
+    assert outcomes[PublishOutcome.DROPPED] == 995
+    wait_for(lambda: p.stats().backlog_batches == 0, what="backlog drained")
+    before = p.stats().messages_sent
+    assert p.publish(batch(store(5000))) is PublishOutcome.QUEUED
+    wait_for(lambda: p.stats().messages_sent == before + 1, what="last batch sent")
+    st = p.stats()
+    assert st.batches_dropped == 995 and st.events_dropped == 995 and st.seq_gaps == 1
+    msgs = sub.recv_until_seq(st.messages_sent)  # one seq was skipped
+    seqs = [m[1] for m in msgs]
+    assert seqs[-1] == seqs[-2] + 2, "the loss must be a visible gap"
+    assert seqs[:-1] == list(range(len(seqs) - 1)), "no gap without a loss"
+
+
+def test_event_budget_counts_events(pubs):
+    p = pubs(endpoint=inproc("pub"), max_pending_events=10)
+    with starved_sender():
+        a = p.publish(batch(*[store(i) for i in range(8)]))
+        b = p.publish(batch(*[store(i) for i in range(3)]))
+    assert (a, b) == (PublishOutcome.QUEUED, PublishOutcome.DROPPED)
+
+
+def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, compaction=False)
+    bad = BlockStored([2], None, [object()], 1, None, "GPU", None)  # type: ignore[list-item]
+    p.publish(batch(store(1)))
+    p.publish(batch(bad))
+    p.publish(batch(store(3)))
+    msgs = sub.recv_until_seq(2)
+    assert [m[1] for m in msgs] == [0, 2]
+    st = p.stats()
+    assert st.encode_failures == 1 and st.seq_gaps == 1
+
+
+def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=1)
+    bad = BlockStored([2], None, [object()], 1, None, "GPU", None)  # type: ignore[list-item]
+    with starved_sender():
+        for b in (batch(store(1)), batch(bad), batch(store(3)), batch(store(4))):
+            p.publish(b)
+    wait_for(lambda: p.stats().backlog_batches == 0, what="backlog drained")
+    msgs = sub.recv_until_seq(3)
+    hashes = [e.block_hashes[0] for m in msgs for e in decode(m[2]).events]
+    assert hashes == [1, 3, 4]  # the good batches, uncompacted, after the failure
+    assert [m[1] for m in msgs] == [0, 2, 3]
+
+
+def test_invalid_input_raises_and_queues_nothing(pubs):
+    p = pubs(endpoint=inproc("pub"))
+    with pytest.raises(TypeError, match="EventBatch"):
+        p.publish(None)
+    with pytest.raises(TypeError, match="EventBatch"):
+        p.publish(store(1))  # an event, not a batch
+    with pytest.raises(TypeError, match="must be a list"):
+        p.publish(KVEventBatch(1.0, (store(1),)))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="data_parallel_rank"):
+        p.publish(KVEventBatch(1.0, [], "0"))  # type: ignore[arg-type]
+    assert p.stats().batches_in == 0
+
+
+def test_shutdown_is_idempotent_and_publish_after_raises(pubs):
+    p = pubs(endpoint=inproc("pub"))
+    p.publish(batch(store(1)))
+    p.shutdown()
+    p.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        p.publish(batch(store(2)))
+    assert p.stats().messages_sent == 1
+
+
+def test_shutdown_with_a_full_backlog_returns_and_counts_what_it_abandons(pubs, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, shutdown_timeout=0.0, compaction=False)
+    with starved_sender():
+        for i in range(2000):
+            p.publish(batch(store(i)))
+    p.shutdown()
+    st = p.stats()
+    assert st.messages_sent + st.batches_dropped == 2000 + (1 if st.batches_dropped else 0)
+    if st.batches_dropped:  # the loss is visible: an empty batch after a skipped seq
+        msgs = sub.recv_until_seq(st.messages_sent)
+        assert decode(msgs[-1][2]).events == []
+        assert msgs[-1][1] == msgs[-2][1] + 2 if len(msgs) > 1 else msgs[-1][1] == 1
+
+
+def test_bad_endpoints_fail_at_construction():
+    with pytest.raises(ValueError, match="cannot bind"):
+        CoalescingPublisher(endpoint="tcp://*:notaport")
+    port = free_port()
+    first = CoalescingPublisher(endpoint=f"tcp://*:{port}")
+    try:
+        with pytest.raises(OSError, match="cannot bind"):
+            CoalescingPublisher(endpoint=f"tcp://*:{port}")
+    finally:
+        first.shutdown()
+
+
+def test_settings_come_from_keywords_then_environment(monkeypatch):
+    monkeypatch.setenv("COALESCE_HIGH_WATERMARK", "3")
+    monkeypatch.setenv("COALESCE_MOVE_EVENTS", "yes")
+    p = CoalescingPublisher(endpoint=inproc("pub"), high_watermark=9, future_vllm_knob=1)
+    try:
+        assert p.settings.high_watermark == 9 and p.settings.move_events is True
+    finally:
+        p.shutdown()
+    monkeypatch.setenv("COALESCE_MAX_PENDING_EVENTS", "lots")
+    with pytest.raises(ValueError, match="COALESCE_MAX_PENDING_EVENTS"):
+        CoalescingPublisher(endpoint=inproc("pub"))
+
+
+def test_vllm_defaults_and_config():
+    p = CoalescingPublisher(endpoint=inproc("pub"))
+    try:
+        c = p.get_publisher_config()
+        assert (c.buffer_steps, c.hwm, c.max_queue_size, c.topic, c.replay_endpoint) == (
+            10_000,
+            100_000,
+            100_000,
+            "",
+            None,
+        )
+    finally:
+        p.shutdown()
