@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+.PHONY: demo test test-vllm lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +22,17 @@ demo: $(STAMP)            ## the main job: a burst through the publisher, with s
 test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis)
 	$(BIN)/python -m pytest -q
 
+$(VLLM_STAMP): pyproject.toml requirements/vllm-conformance.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q -r requirements/vllm-conformance.txt
+	$(VLLM_BIN)/python -m pip install -q --no-deps vllm==0.33.0
+	$(VLLM_BIN)/python -m pip install -q -e '.[test,prometheus]'
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 wheel
+	$(VLLM_BIN)/python -m pytest -q tests_vllm
+
 lint: $(STAMP)            ## ruff + mypy --strict
 	$(BIN)/ruff check coalesce tests benchmarks
 	$(BIN)/mypy
@@ -26,4 +41,4 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_publish.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -43,6 +43,8 @@ class Settings:
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = 512
     """Events one compaction step takes (bounds each GIL hold of the sender)."""
+    fold_only_events: int = 8192
+    """Pending events beyond which the sender only folds (the rules cost ~2 us/event)."""
     shutdown_timeout: float = 1.0
     """Seconds shutdown() spends flushing before it abandons what is left."""
 
@@ -104,6 +106,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "move_events": _flag,
     "max_pending_events": _positive_int,
     "max_events_per_step": _positive_int,
+    "fold_only_events": _positive_int,
     "shutdown_timeout": _seconds,
 }
 

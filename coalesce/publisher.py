@@ -113,6 +113,7 @@ class CoalescingPublisher:
         move_events: bool | None = None,
         max_pending_events: int | None = None,
         max_events_per_step: int | None = None,
+        fold_only_events: int | None = None,
         shutdown_timeout: float | None = None,
         **_future_vllm_keywords: Any,
     ) -> None:
@@ -133,6 +134,7 @@ class CoalescingPublisher:
             move_events=move_events,
             max_pending_events=max_pending_events,
             max_events_per_step=max_events_per_step,
+            fold_only_events=fold_only_events,
             shutdown_timeout=shutdown_timeout,
         )
         self._rank = data_parallel_rank
@@ -181,16 +183,11 @@ class CoalescingPublisher:
         self._blocks_in = 0
         self._encode_failures = 0
         self._seq_gaps = 0
-        self._compaction = [
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-        ]  # passes, folded, merged, cancelled, superseded, moved
-        self._pressure = False
+        # passes, folded, merged, cancelled, superseded, moved, fold-only passes
+        self._compaction = [0] * 7
+        self._level = 0  # 0: 1:1, 1: every rule, 2: fold only
         self._abandoned = [0, 0]  # batches, events given up at shutdown
+        self._done = 0  # input batches the sender has finished with (sent or lost)
 
         # shared flags (each written by one side)
         self._closed = False  # written by shutdown()
@@ -268,7 +265,7 @@ class CoalescingPublisher:
     def stats(self) -> PublisherStats:
         """A frozen snapshot of the counters.  O(1); safe from any thread."""
         b, (msgs, evs, blocks, nbytes) = self._backlog, self._sent
-        passes, folded, merged, cancelled, superseded, moved = self._compaction
+        passes, folded, merged, cancelled, superseded, moved, fold_only = self._compaction
         r = self._replay
         return PublisherStats(
             batches_in=b.batches_in,
@@ -288,6 +285,7 @@ class CoalescingPublisher:
             events_superseded=superseded,
             blocks_moved=moved,
             compaction_passes=passes,
+            fold_only_passes=fold_only,
             backlog_batches=len(b),
             backlog_peak=b.peak,
             replay_requests=0 if r is None else r.requests,
@@ -310,6 +308,21 @@ class CoalescingPublisher:
                 enable_kv_cache_events=True, publisher="zmq", **asdict(self.config)
             )
         return self.config
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        """Wait until every batch accepted so far is sent (or counted lost).
+
+        Returns False if that took longer than ``timeout`` seconds.  This one
+        *does* block the caller (polling every millisecond): it is for tests
+        and orderly hand-offs, never for the engine's step loop.
+        """
+        target = self._backlog.batches_in
+        deadline = time.monotonic() + timeout
+        while self._done < target:
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
 
     def shutdown(self) -> None:
         """Flush for up to ``shutdown_timeout`` seconds, then stop and close the sockets.
@@ -379,35 +392,49 @@ class CoalescingPublisher:
                 self._router.close(linger=0)
 
     def _step(self, flushing: bool) -> None:
-        """One bounded unit of work: a 1:1 send, or one compaction window."""
+        """One bounded unit of work: a 1:1 send, or one compaction window.
+
+        The ladder: backlog at most ``high_watermark`` batches: send 1:1.
+        Above it: fold and apply every rule, ``max_events_per_step`` events at
+        a time.  More than ``fold_only_events`` events pending (the rules,
+        ~2 us/event, are not keeping up): fold only, 8x larger windows, which
+        drains at encoding speed.  Past the budget, ``publish()`` drops.
+        """
         backlog, settings = self._backlog, self.settings
         waiting = len(backlog)
-        pressure = settings.compaction and (flushing or waiting > settings.high_watermark)
-        if pressure != self._pressure:
-            self._pressure = pressure
-            if pressure and not flushing:
+        level = 0
+        if settings.compaction and (flushing or waiting > settings.high_watermark):
+            pending = backlog.events_in - backlog.events_out
+            level = 2 if flushing or pending > settings.fold_only_events else 1
+        if level != self._level:
+            if level > self._level and not flushing:
                 self._limited.log(
                     logging.INFO,
-                    "compact",
-                    "kv-coalesce: sender behind (%d batches waiting): compacting",
+                    f"level{level}",
+                    "kv-coalesce: sender behind (%d batches, %d events waiting): %s",
                     waiting,
+                    backlog.events_in - backlog.events_out,
+                    "compacting" if level == 1 else "escalating to fold-only",
                 )
-        if not pressure:
+            self._level = level
+        if level == 0:
             item = backlog.take_one()
             if item is LOSS:
                 self._skip_pending = True
                 return
             self._blocks_in += _blocks(item.events)
             self._send_one(item)
+            self._done += 1
             return
-        window = backlog.take(settings.max_events_per_step)
+        step = settings.max_events_per_step * (8 if level == 2 else 1)
+        window = backlog.take(step)
         if window is LOSS:
             self._skip_pending = True
             return
         assert isinstance(window, list)
         for b in window:
             self._blocks_in += _blocks(b.events)
-        out, rep = compact(window, move_events=settings.move_events)
+        out, rep = compact(window, move_events=settings.move_events, fold_only=level == 2)
         c = self._compaction
         c[0] += 1
         c[1] += rep.folded
@@ -415,7 +442,9 @@ class CoalescingPublisher:
         c[3] += rep.cancelled
         c[4] += rep.superseded
         c[5] += rep.moved
+        c[6] += level == 2
         self._send_all(out, window)
+        self._done += len(window)
 
     def _send_all(self, batches: list[Any], originals: list[Any]) -> None:
         """Encode every compacted batch first; if one fails, send the originals one by one."""
@@ -467,6 +496,7 @@ class CoalescingPublisher:
         batches, events = self._backlog.drain()
         self._abandoned[0] += batches
         self._abandoned[1] += events
+        self._done += batches
         self._skip_pending = True
         log.warning(
             "kv-coalesce: shutdown timeout: %d batches (%d events) abandoned; "

@@ -50,7 +50,9 @@ class PublisherStats:
     blocks_moved: int
     """Block hashes sent inside opt-in ``BlockMoved`` events."""
     compaction_passes: int
-    """Compaction steps run by the sender."""
+    """Compaction steps run by the sender (every rule, or fold only)."""
+    fold_only_passes: int
+    """Of those, steps that only folded because the backlog outran the rules."""
     backlog_batches: int
     """Batches waiting for the sender right now."""
     backlog_peak: int
