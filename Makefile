@@ -34,7 +34,7 @@ test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
 
 lint: $(STAMP)            ## ruff + mypy --strict
-	$(BIN)/ruff check coalesce tests benchmarks
+	$(BIN)/ruff check coalesce tests tests_vllm benchmarks
 	$(BIN)/mypy
 
 bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmarks.md

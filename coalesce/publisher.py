@@ -301,7 +301,7 @@ class CoalescingPublisher:
         """
         if "vllm" in sys.modules:
             try:
-                from vllm.config.kv_events import KVEventsConfig  # type: ignore[import-not-found]
+                from vllm.config.kv_events import KVEventsConfig
             except ImportError:
                 return self.config
             return KVEventsConfig(

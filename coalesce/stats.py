@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["PublisherStats"]
+__all__ = ["PublisherStats", "field_docs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +71,20 @@ class PublisherStats:
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for JSON or metrics)."""
         return asdict(self)
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each ``PublisherStats`` field's docstring, read from this module's source once."""
+    tree = ast.parse(inspect.getsource(PublisherStats))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs

@@ -1,0 +1,108 @@
+"""vLLM general plugin: swap ``coalesce.CoalescingPublisher`` in for ``"zmq"``.
+
+Installed as the entry point ``coalesce`` in group ``vllm.general_plugins``;
+vLLM calls :func:`register` once in every process (API server, each
+EngineCore, each worker) before the scheduler builds its publisher.
+
+It does nothing unless ``COALESCE_KV_EVENTS=1``, and nothing (without
+importing vLLM) when vLLM is absent.  It is idempotent, logs once per process
+what it did and with which settings, and :func:`unregister` puts vLLM's own
+publisher back.  ``KVEventsConfig`` forbids extra keys, so the publisher's
+own knobs come from ``COALESCE_*`` variables (see docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
+
+ENV_ENABLE = "COALESCE_KV_EVENTS"
+ENV_METRICS_PORT = "COALESCE_METRICS_PORT"
+
+log = logging.getLogger("coalesce")
+_original: Any = None  # vLLM's "zmq" constructor, kept for unregister()
+_metrics_started: set[int] = set()
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def create_publisher(**kwargs: Any) -> Any:
+    """What vLLM's factory calls for ``publisher="zmq"`` once the plugin is active.
+
+    Builds a :class:`~coalesce.CoalescingPublisher` from vLLM's keywords (plus
+    ``COALESCE_*`` variables) and, when ``COALESCE_METRICS_PORT`` is set,
+    serves its stats for Prometheus on that port + the DP rank.
+    """
+    from coalesce.publisher import CoalescingPublisher
+
+    pub = CoalescingPublisher(**kwargs)
+    port = os.environ.get(ENV_METRICS_PORT)
+    if port:
+        from coalesce.metrics import serve_metrics
+
+        rank = int(kwargs.get("data_parallel_rank", 0))
+        if rank not in _metrics_started:
+            serve_metrics(pub, int(port) + rank)
+            _metrics_started.add(rank)
+    log.info(
+        "kv-coalesce: publisher for DP rank %s on %s (replay %s); settings %s",
+        kwargs.get("data_parallel_rank", 0),
+        pub.config.endpoint,
+        pub.config.replay_endpoint,
+        pub.settings,
+    )
+    return pub
+
+
+def _adopt_vllm_logging() -> None:
+    """Send coalesce's log lines through vLLM's handlers, unless the user configured ours."""
+    ours, theirs = logging.getLogger("coalesce"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+def register() -> None:
+    """The plugin entry point.  Idempotent; cheap when disabled."""
+    global _original
+    if not _enabled():
+        return
+    try:
+        from vllm.distributed.kv_events import EventPublisherFactory
+    except ImportError:
+        log.warning("kv-coalesce: %s is set but vLLM cannot be imported; nothing done", ENV_ENABLE)
+        return
+    registry = EventPublisherFactory._registry
+    if registry.get("zmq") is create_publisher:
+        return
+    _adopt_vllm_logging()
+    from coalesce._settings import Settings
+
+    _original = registry.get("zmq")
+    registry["zmq"] = create_publisher
+    log.info(
+        "kv-coalesce: vLLM's 'zmq' KV-event publisher is now coalesce.CoalescingPublisher "
+        "(pid %d); settings from COALESCE_*: %s",
+        os.getpid(),
+        Settings.resolve(),
+    )
+
+
+def unregister() -> None:
+    """Put vLLM's own ``"zmq"`` publisher back (roll back without a restart of Python)."""
+    global _original
+    if _original is None:
+        return
+    from vllm.distributed.kv_events import EventPublisherFactory
+
+    EventPublisherFactory._registry["zmq"] = _original
+    _original = None
+    log.info("kv-coalesce: vLLM's own 'zmq' publisher restored")

@@ -1,0 +1,58 @@
+"""The vLLM plugin's behaviour without vLLM, and the Prometheus collector."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+import coalesce.vllm_plugin as plugin
+from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
+from coalesce.metrics import StatsCollector, metric_names
+from coalesce.stats import PublisherStats, field_docs
+from tests.conftest import inproc
+
+
+def test_plugin_is_inert_without_the_variable(monkeypatch):
+    monkeypatch.delenv("COALESCE_KV_EVENTS", raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would raise
+    plugin.register()  # returns before touching vllm
+
+
+def test_plugin_without_vllm_warns_and_does_nothing(monkeypatch, caplog):
+    monkeypatch.setenv("COALESCE_KV_EVENTS", "1")
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", None)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_events", None)
+    plugin.register()
+    assert "cannot be imported" in caplog.text
+
+
+def test_every_stat_is_documented_and_exported():
+    fields = set(PublisherStats.__dataclass_fields__)
+    assert set(field_docs()) == fields
+    assert set(metric_names()) == fields
+
+
+def test_collector_exposes_stats_with_conventional_names():
+    pub = CoalescingPublisher(data_parallel_rank=0, endpoint=inproc("pub"))
+    try:
+        pub.publish(KVEventBatch(1.0, [BlockStored([1], None, [], 4, None, "GPU", None)]))
+        assert pub.flush(10)
+        registry = CollectorRegistry()
+        registry.register(StatsCollector(pub))
+        text = generate_latest(registry).decode()
+    finally:
+        pub.shutdown()
+    assert 'kv_coalesce_messages_sent_total{data_parallel_rank="0"} 1.0' in text
+    assert "kv_coalesce_sent_bytes_total" in text
+    assert 'kv_coalesce_backlog_batches{data_parallel_rank="0"} 0.0' in text
+    assert "# HELP kv_coalesce_batches_dropped_total Batches lost" in text
+
+
+@pytest.mark.parametrize("value", ["0", "", "off"])
+def test_plugin_disabled_values(monkeypatch, value):
+    monkeypatch.setenv("COALESCE_KV_EVENTS", value)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    plugin.register()

@@ -1,0 +1,354 @@
+"""kv-coalesce against the real vllm==0.33.0 package.
+
+Everything here goes through vLLM's own code: its plugin loader, its
+``EventPublisherFactory``, its ``KVEventsConfig``, its event classes and its
+``ZmqEventPublisher`` as the reference.  Only a GPU is missing, and nothing
+here needs one.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from vllm.config.kv_events import KVEventsConfig
+from vllm.distributed import kv_events as vk
+
+import coalesce.vllm_plugin as plugin
+from coalesce import CoalescingPublisher, PublishOutcome
+from coalesce.refmodel import MODES, SubscriberModel
+from tests.conftest import decode, free_port, inproc, starved_sender, wait_for
+
+END = b"\xff" * 8
+
+
+@pytest.fixture
+def enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The plugin loaded through vLLM's own loader, as every vLLM process does."""
+    import vllm.plugins
+
+    monkeypatch.setenv("COALESCE_KV_EVENTS", "1")
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()
+    yield
+    plugin.unregister()
+
+
+@pytest.fixture
+def made() -> Iterator[list[Any]]:
+    pubs: list[Any] = []
+    yield pubs
+    for p in pubs:
+        p.shutdown()
+
+
+def create(made: list[Any], rank: int = 0, **fields: Any) -> Any:
+    cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **fields)
+    pub = vk.EventPublisherFactory.create(cfg, rank)
+    made.append(pub)
+    return pub
+
+
+def vstore(h: int, parent: int | None = None, medium: str | None = "GPU") -> vk.BlockStored:
+    return vk.BlockStored(
+        block_hashes=[h],
+        parent_block_hash=parent,
+        token_ids=[h, h + 1],
+        block_size=2,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def vbatch(*events: Any, rank: int | None = None, ts: float = 1.5) -> vk.KVEventBatch:
+    return vk.KVEventBatch(ts=ts, events=list(events), data_parallel_rank=rank)
+
+
+def offload(i: int) -> vk.KVEventBatch:
+    evs: list[Any] = [vstore(i + 1, i or None)]
+    if i >= 4:
+        evs += [
+            vk.BlockRemoved(block_hashes=[i - 3], medium="GPU"),
+            vstore(i - 3, (i - 4) or None, "CPU"),
+        ]
+    return vbatch(*evs, ts=float(i))
+
+
+# -- the plugin --------------------------------------------------------------------
+
+
+def test_entry_point_is_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert "coalesce.vllm_plugin:register" in {ep.value for ep in eps if ep.name == "coalesce"}
+
+
+def test_plugin_swaps_the_zmq_publisher(enabled, made):
+    pub = create(made, endpoint=inproc("pub"))
+    assert isinstance(pub, CoalescingPublisher)
+
+
+def test_plugin_is_idempotent_and_reversible(enabled, made):
+    plugin.register()
+    plugin.register()
+    assert isinstance(create(made, endpoint=inproc("pub")), CoalescingPublisher)
+    plugin.unregister()
+    assert isinstance(create(made, endpoint=inproc("pub")), vk.ZmqEventPublisher)
+
+
+def test_plugin_does_nothing_unless_enabled(monkeypatch, made):
+    monkeypatch.delenv("COALESCE_KV_EVENTS", raising=False)
+    plugin.register()
+    assert isinstance(create(made, endpoint=inproc("pub")), vk.ZmqEventPublisher)
+
+
+def test_get_publisher_config_is_vllms_with_resolved_endpoints(enabled, made):
+    port = free_port()
+    base = inproc("replay")
+    pub = create(made, rank=1, endpoint=f"tcp://*:{port - 1}", replay_endpoint=base, topic="t")
+    cfg = pub.get_publisher_config()
+    assert isinstance(cfg, KVEventsConfig)
+    assert cfg.endpoint == f"tcp://*:{port}" and cfg.replay_endpoint == base + "_dp1"
+    assert (cfg.topic, cfg.buffer_steps, cfg.publisher) == ("t", 10_000, "zmq")
+
+
+# -- wire identity -------------------------------------------------------------------
+
+
+def test_uncompacted_messages_are_byte_identical_to_vllms(enabled, made, make_sub):
+    ep_v, ep_c = inproc("vllm"), inproc("ours")
+    # both publishers are rank 3, so both bind "<endpoint>_dp3"
+    sub_v, sub_c = make_sub(ep_v + "_dp3", b"kv"), make_sub(ep_c + "_dp3", b"kv")
+    theirs = vk.ZmqEventPublisher(data_parallel_rank=3, endpoint=ep_v, topic="kv")
+    made.append(theirs)
+    ours = create(made, rank=3, endpoint=ep_c, topic="kv")
+    batches = [
+        vbatch(vstore(1)),
+        vbatch(vstore(2, 1), vk.BlockRemoved(block_hashes=[1], medium="GPU", group_idx=2)),
+        vbatch(vk.AllBlocksCleared(), rank=5),
+        vbatch(
+            vk.BlockStored(
+                block_hashes=[b"\x01" * 32],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=16,
+                lora_id=7,
+                medium=None,
+                lora_name="l",
+                extra_keys=[("mm", "x", 0)],
+                kv_cache_spec_kind="full",
+                locality="LOCAL",
+                session_id="s",
+                lookahead_token_ids=[[1, 2]],
+            )
+        ),
+        vbatch(
+            vk.BlockStored(
+                block_hashes=[2**64 - 1],
+                parent_block_hash=2**63,
+                token_ids=[1],
+                block_size=1,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            )
+        ),
+    ]
+    for b in batches:
+        theirs.publish(msgspec.structs.replace(b))
+        assert ours.publish(msgspec.structs.replace(b)) is PublishOutcome.QUEUED
+        assert ours.flush(10)
+    sub_v.recv_until_seq(len(batches) - 1)
+    sub_c.recv_until_seq(len(batches) - 1)
+    assert sub_c.messages == sub_v.messages  # all three frames of every message
+
+
+def test_compacted_stream_decodes_with_vllms_types_and_keeps_state(enabled, made, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    pub = create(made, endpoint=ep)
+    assert pub.settings.move_events is False
+    pub_kw = pub.settings
+    assert pub_kw.compaction is True
+    batches = [offload(i) for i in range(600)]
+    with starved_sender():
+        for b in batches:
+            pub.publish(b)
+    assert pub.flush(20)
+    st = pub.stats()
+    assert st.compaction_passes > 0 and st.messages_sent < len(batches)
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
+    received = [dec.decode(m[2]) for m in msgs]
+    assert [m[1] for m in msgs] == list(range(len(msgs)))
+    for mode in MODES:
+        want = SubscriberModel(mode).apply_batches(batches).state()
+        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+
+
+# -- vLLM's own publisher scenarios, in our words, through vLLM's factory ---------------
+
+
+def test_first_seq_zero_contiguous_and_replay(enabled, made, make_sub):
+    ep, rep = inproc("pub"), inproc("replay")
+    sub = make_sub(ep, replay=rep)
+    pub = create(made, endpoint=ep, replay_endpoint=rep, buffer_steps=8)
+    for i in range(20):
+        pub.publish(vbatch(vstore(i)))
+        assert pub.flush(10)
+    assert [m[1] for m in sub.recv_until_seq(19)] == list(range(20))
+    assert [m[1] for m in sub.replay(15)] == [15, 16, 17, 18, 19]
+    assert [m[1] for m in sub.replay(0)] == list(range(12, 20))  # buffer limit
+
+
+def test_replay_to_a_req_client(enabled, made, make_sub):
+    """A REQ client gets the first message of the reply (REQ takes one reply per request)."""
+    ep, rep = inproc("pub"), inproc("replay")
+    sub = make_sub(ep)
+    pub = create(made, endpoint=ep, replay_endpoint=rep)
+    for i in range(3):
+        pub.publish(vbatch(vstore(i)))
+    assert pub.flush(10)
+    msgs = sub.recv_until_seq(2)
+    req = zmq.Context.instance().socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(rep)
+    try:
+        req.send((1).to_bytes(8, "big"))
+        assert req.poll(5000)
+        topic, seq, payload = req.recv_multipart()
+    finally:
+        req.close()
+    assert (topic, int.from_bytes(seq, "big"), payload) == msgs[1]
+
+
+def test_topic_filtering(enabled, made, make_sub):
+    ep = inproc("pub")
+    mine, other = make_sub(ep, b"kv"), make_sub(ep, b"other")
+    pub = create(made, endpoint=ep, topic="kv")
+    pub.publish(vbatch(vstore(1)))
+    assert pub.flush(10)
+    assert mine.recv_until_seq(0)[0][0] == b"kv"
+    assert other.nothing_within(0.2)
+
+
+@pytest.mark.parametrize("scheme", ["inproc", "tcp"])
+def test_dp_rank_offset_and_tagging(enabled, made, make_sub, scheme):
+    if scheme == "inproc":
+        base = inproc("pub")
+        sub = make_sub(base + "_dp2")
+        pub = create(made, rank=2, endpoint=base)
+    else:
+        port = free_port()
+        pub = create(made, rank=2, endpoint=f"tcp://*:{port - 2}")
+        sub = make_sub(f"tcp://127.0.0.1:{port}")
+    i = 0
+    while sub.nothing_within(0.01):  # tcp joins late: publish until it hears
+        pub.publish(vbatch(vstore(i)))
+        i += 1
+        assert i < 10_000
+    msg = sub.recv()
+    assert decode(msg[2]).data_parallel_rank == 2
+
+
+class SampleEvent(msgspec.Struct, tag=True):
+    name: str
+    value: int
+
+
+class SampleBatch(vk.EventBatch):
+    events: list[SampleEvent]
+
+
+def test_generic_event_batches(enabled, made, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    pub = create(made, endpoint=ep)
+    with starved_sender():
+        for i in range(30):
+            pub.publish(SampleBatch(ts=float(i), events=[SampleEvent("e", i)]))
+    assert pub.flush(10)
+    msgs = sub.recv_until_seq(29)
+    vals = [msgspec.msgpack.decode(m[2], type=SampleBatch).events[0].value for m in msgs]
+    assert vals == list(range(30))
+
+
+def test_high_volume_from_another_thread(enabled, made, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    pub = create(made, endpoint=ep)
+    batches = [offload(i) for i in range(5000)]
+    t = threading.Thread(target=lambda: [pub.publish(b) for b in batches])
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    assert pub.flush(30)
+    st = pub.stats()
+    assert st.batches_dropped == 0
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    received = [decode(m[2]) for m in msgs]
+    want = SubscriberModel("llmd").apply_batches(batches).state()
+    assert SubscriberModel("llmd").apply_batches(received).state() == want
+
+
+# -- the seed bug, as a regression ---------------------------------------------------
+
+
+class _StalledSocket:
+    """Fault injection on a real PUB socket: every send waits until released.
+
+    Stands in for a sender thread that has fallen behind (a long encode, GIL
+    starvation); it wraps the real socket rather than replacing ZeroMQ.
+    """
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def send(self, *a: Any, **kw: Any) -> Any:
+        self.release.wait(30)
+        return self._sock.send(*a, **kw)
+
+    def send_multipart(self, *a: Any, **kw: Any) -> Any:
+        self.release.wait(30)
+        return self._sock.send_multipart(*a, **kw)
+
+
+def _publish_in_thread(pub: Any, batches: list[Any]) -> threading.Thread:
+    t = threading.Thread(target=lambda: [pub.publish(b) for b in batches], daemon=True)
+    t.start()
+    return t
+
+
+def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
+    theirs = vk.ZmqEventPublisher(data_parallel_rank=0, endpoint=inproc("v"), max_queue_size=2)
+    made.append(theirs)
+    stall_v = _StalledSocket(theirs._pub)
+    theirs._pub = stall_v
+    t = _publish_in_thread(theirs, [vbatch(vstore(i)) for i in range(10)])
+    t.join(1.0)
+    assert t.is_alive(), "vLLM's publish() should be blocked on its full queue"
+    stall_v.release.set()
+    t.join(10)
+    assert not t.is_alive()
+
+    ours = CoalescingPublisher(endpoint=inproc("c"), max_queue_size=2)
+    made.append(ours)
+    stall_c = _StalledSocket(ours._pub)
+    ours._pub = stall_c
+    t = _publish_in_thread(ours, [vbatch(vstore(i)) for i in range(10)])
+    t.join(10)
+    assert not t.is_alive(), "publish() must never block"
+    wait_for(lambda: ours.stats().batches_dropped > 0, what="drops counted")
+    stall_c.release.set()
+    assert ours.flush(10)
+    st = ours.stats()
+    assert st.batches_in + st.batches_dropped == 10
