@@ -44,7 +44,8 @@ class Settings:
     max_events_per_step: int = 512
     """Events one compaction step takes (bounds each GIL hold of the sender)."""
     fold_only_events: int = 8192
-    """Pending events beyond which the sender only folds (the rules cost ~2 us/event)."""
+    """Pending events beyond which the sender only folds (the rules cost ~2 us/event);
+    it also folds only once a pass of the rules has lost ground."""
     shutdown_timeout: float = 1.0
     """Seconds shutdown() spends flushing before it abandons what is left."""
 

@@ -32,7 +32,7 @@ from coalesce._backlog import LOSS, Backlog
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
 from coalesce._wire import Encoder, send_message
-from coalesce.compactor import REMOVED, STORED, compact, event_kind
+from coalesce.compactor import compact
 from coalesce.stats import PublisherStats
 
 __all__ = ["CoalescingPublisher", "PublishOutcome"]
@@ -71,15 +71,6 @@ class _RateLimited:
             msg += " (%d similar messages suppressed)"
             args = (*args, n)
         log.log(level, msg, *args)
-
-
-def _blocks(events: list[Any]) -> int:
-    n = 0
-    for ev in events:
-        kind = event_kind(ev)
-        if kind in (STORED, REMOVED) or hasattr(ev, "from_medium"):
-            n += len(ev.block_hashes)
-    return n
 
 
 class CoalescingPublisher:
@@ -179,13 +170,13 @@ class CoalescingPublisher:
         # sender-owned state
         self._seq = 0
         self._skip_pending = False
-        self._sent = [0, 0, 0, 0]  # messages, events, blocks, bytes
-        self._blocks_in = 0
+        self._sent = [0, 0, 0]  # messages, events, bytes
         self._encode_failures = 0
         self._seq_gaps = 0
         # passes, folded, merged, cancelled, superseded, moved, fold-only passes
         self._compaction = [0] * 7
         self._level = 0  # 0: 1:1, 1: every rule, 2: fold only
+        self._escalated = False  # this pressure episode is fold-only
         self._abandoned = [0, 0]  # batches, events given up at shutdown
         self._done = 0  # input batches the sender has finished with (sent or lost)
 
@@ -264,20 +255,18 @@ class CoalescingPublisher:
 
     def stats(self) -> PublisherStats:
         """A frozen snapshot of the counters.  O(1); safe from any thread."""
-        b, (msgs, evs, blocks, nbytes) = self._backlog, self._sent
+        b, (msgs, evs, nbytes) = self._backlog, self._sent
         passes, folded, merged, cancelled, superseded, moved, fold_only = self._compaction
         r = self._replay
         return PublisherStats(
             batches_in=b.batches_in,
             events_in=b.events_in,
-            blocks_in=self._blocks_in,
             batches_dropped=b.batches_dropped + self._abandoned[0],
             events_dropped=b.events_dropped + self._abandoned[1],
             encode_failures=self._encode_failures,
             seq_gaps=self._seq_gaps,
             messages_sent=msgs,
             events_sent=evs,
-            blocks_sent=blocks,
             bytes_sent=nbytes,
             batches_folded=folded,
             events_merged=merged,
@@ -396,16 +385,22 @@ class CoalescingPublisher:
 
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
         Above it: fold and apply every rule, ``max_events_per_step`` events at
-        a time.  More than ``fold_only_events`` events pending (the rules,
-        ~2 us/event, are not keeping up): fold only, 8x larger windows, which
-        drains at encoding speed.  Past the budget, ``publish()`` drops.
+        a time.  If a pass of the rules (~2 us/event, against ~0.1 us/event
+        to encode and send) loses ground, i.e. more events are pending after
+        it than before, or more than ``fold_only_events`` are pending: fold
+        only, in 4x larger windows, which drains at encoding speed, until the
+        backlog is back under the watermark.  Past the budget, ``publish()``
+        drops.
         """
         backlog, settings = self._backlog, self.settings
         waiting = len(backlog)
+        pending = backlog.events_in - backlog.events_out
         level = 0
         if settings.compaction and (flushing or waiting > settings.high_watermark):
-            pending = backlog.events_in - backlog.events_out
-            level = 2 if flushing or pending > settings.fold_only_events else 1
+            escalate = flushing or self._escalated or pending > settings.fold_only_events
+            level = 2 if escalate else 1
+        else:
+            self._escalated = False
         if level != self._level:
             if level > self._level and not flushing:
                 self._limited.log(
@@ -422,18 +417,15 @@ class CoalescingPublisher:
             if item is LOSS:
                 self._skip_pending = True
                 return
-            self._blocks_in += _blocks(item.events)
             self._send_one(item)
             self._done += 1
             return
-        step = settings.max_events_per_step * (8 if level == 2 else 1)
+        step = settings.max_events_per_step * (4 if level == 2 else 1)
         window = backlog.take(step)
         if window is LOSS:
             self._skip_pending = True
             return
         assert isinstance(window, list)
-        for b in window:
-            self._blocks_in += _blocks(b.events)
         out, rep = compact(window, move_events=settings.move_events, fold_only=level == 2)
         c = self._compaction
         c[0] += 1
@@ -445,6 +437,8 @@ class CoalescingPublisher:
         c[6] += level == 2
         self._send_all(out, window)
         self._done += len(window)
+        if level == 1 and backlog.events_in - backlog.events_out >= pending:
+            self._escalated = True  # the rules cost more than they save: fold only
 
     def _send_all(self, batches: list[Any], originals: list[Any]) -> None:
         """Encode every compacted batch first; if one fails, send the originals one by one."""
@@ -489,8 +483,7 @@ class CoalescingPublisher:
         s = self._sent
         s[0] += 1
         s[1] += len(events)
-        s[2] += _blocks(events)
-        s[3] += len(payload)
+        s[2] += len(payload)
 
     def _abandon(self) -> None:
         batches, events = self._backlog.drain()

@@ -1,0 +1,92 @@
+"""vLLM's stock publisher and the upstream drop-on-full variant, for benchmarks.
+
+When ``vllm`` is importable (``make test-vllm`` builds .venv-vllm) the real
+``vllm.distributed.kv_events.ZmqEventPublisher`` is used.  Otherwise
+``StockPublisher`` below is a small re-implementation of its documented
+behaviour (facts sheet section 1): a bounded ``queue.Queue`` with a blocking
+``put`` on the caller's thread, and a sender thread that assigns the seq at
+send time, encodes with msgspec and calls ``send_multipart``.  The drop
+variant (vLLM PR #53883, open) only changes ``put`` to ``put_nowait`` and drops
+the new batch when full, leaving no sequence gap.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+try:  # the real thing, when it is installed
+    from vllm.distributed.kv_events import ZmqEventPublisher as _VllmPublisher
+
+    REAL_VLLM = True
+except ImportError:  # pragma: no cover - depends on the environment
+    _VllmPublisher = None
+    REAL_VLLM = False
+
+
+class _ReimplementedStock:
+    """vLLM 0.33's ZmqEventPublisher behaviour, re-implemented (no replay socket)."""
+
+    def __init__(
+        self,
+        data_parallel_rank: int = 0,
+        endpoint: str = "tcp://*:5557",
+        max_queue_size: int = 100_000,
+        hwm: int = 100_000,
+        topic: str = "",
+        **_: Any,
+    ) -> None:
+        self._rank = data_parallel_rank
+        self._event_queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
+        self._pub = zmq.Context.instance().socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.bind(endpoint)
+        self._topic = topic.encode()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def publish(self, events: Any) -> None:
+        if events.data_parallel_rank is None:
+            events.data_parallel_rank = self._rank
+        self._event_queue.put(events)
+
+    def _run(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        seq = 0
+        while self._running or not self._event_queue.empty():
+            try:
+                item = self._event_queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), enc.encode(item)))
+            seq += 1
+
+    def shutdown(self) -> None:
+        self._running = False
+        self._event_queue.put(None)
+        self._thread.join(10)
+        self._pub.close(linger=0)
+
+
+StockPublisher: Any = _VllmPublisher if REAL_VLLM else _ReimplementedStock
+
+
+class DropPublisher(StockPublisher):  # type: ignore[misc,valid-type]
+    """The upstream drop-on-full proposal: put_nowait, drop the new batch, no gap."""
+
+    dropped = 0
+
+    def publish(self, events: Any) -> None:
+        if events.data_parallel_rank is None:
+            events.data_parallel_rank = self._rank if not REAL_VLLM else self._data_parallel_rank
+        try:
+            self._event_queue.put_nowait(events)
+        except queue.Full:
+            self.dropped += 1

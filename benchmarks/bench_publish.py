@@ -1,0 +1,247 @@
+"""publish() latency and engine stall under overload; compactor throughput.
+
+Run: ``make bench`` (or ``.venv-vllm/bin/python benchmarks/bench_publish.py``
+to measure against the real vLLM class).  Prints markdown tables; method and
+results are in docs/benchmarks.md.
+
+Engine model: each step does ``cpu_us`` of Python work holding the GIL, one
+``publish()`` of a batch of offload events, then waits ``gpu_us`` on the
+"GPU" (``time.sleep``, GIL released: that is when a sender thread can run).
+The overload factor is the offered event rate divided by the stock sender's
+drain rate (encode + send_multipart per batch), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _stock import REAL_VLLM, DropPublisher, StockPublisher
+
+from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
+from coalesce.compactor import compact
+
+if REAL_VLLM:
+    from vllm.distributed import kv_events as vk
+
+    def _store(h: int, p: int | None, medium: str) -> Any:
+        return vk.BlockStored(
+            block_hashes=[h],
+            parent_block_hash=p,
+            token_ids=_TOKENS,
+            block_size=16,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
+
+    def _removed(h: int) -> Any:
+        return vk.BlockRemoved(block_hashes=[h], medium="GPU")
+
+    def _batch(events: list[Any]) -> Any:
+        return vk.KVEventBatch(ts=time.time(), events=events)
+else:
+
+    def _store(h: int, p: int | None, medium: str) -> Any:
+        return BlockStored([h], p, _TOKENS, 16, None, medium, None)
+
+    def _removed(h: int) -> Any:
+        return BlockRemoved([h], "GPU")
+
+    def _batch(events: list[Any]) -> Any:
+        return KVEventBatch(ts=time.time(), events=events)
+
+
+_TOKENS = list(range(16))  # shared by every store: memory, not meaning
+
+
+def make_batch(step: int, blocks: int) -> Any:
+    """One engine step of an offload workload: ``blocks`` GPU stores, evictions, CPU copies."""
+    events: list[Any] = []
+    base = step * blocks
+    for j in range(blocks):
+        h = base + j + 1
+        events.append(_store(h, h - 1 if h > 1 else None, "GPU"))
+        if h > 64:
+            events.append(_removed(h - 64))
+            events.append(_store(h - 64, h - 65 if h > 65 else None, "CPU"))
+    return _batch(events)
+
+
+def drain_rate(blocks: int, n: int = 300) -> float:
+    """Events/s the stock sender's per-batch work sustains on one thread, no contention."""
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.bind(f"inproc://drain-{os.getpid()}-{blocks}")
+    enc = msgspec.msgpack.Encoder()
+    batches = [make_batch(i, blocks) for i in range(n)]
+    events = sum(len(b.events) for b in batches)
+    t0 = time.perf_counter()
+    for i, b in enumerate(batches):
+        sock.send_multipart((b"", i.to_bytes(8, "big"), enc.encode(b)))
+    dt = time.perf_counter() - t0
+    sock.close(linger=0)
+    return events / dt
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def run_engine(
+    make_pub: Callable[[], Any], batches: list[Any], cpu_us: float, gpu_us: float
+) -> dict[str, Any]:
+    pub = make_pub()
+    lat: list[int] = []
+    clock = time.perf_counter_ns
+    t_start = time.perf_counter()
+    for b in batches:
+        b.data_parallel_rank = None
+        _spin(cpu_us)
+        t0 = clock()
+        pub.publish(b)
+        lat.append(clock() - t0)
+        time.sleep(gpu_us / 1e6)
+    out: dict[str, Any] = {"wall_ms": (time.perf_counter() - t_start) * 1e3}
+    if isinstance(pub, CoalescingPublisher):
+        pub.shutdown()
+        st = pub.stats()
+        out.update(
+            dropped=st.batches_dropped,
+            messages=st.messages_sent,
+            gaps=st.seq_gaps,
+            bytes=st.bytes_sent,
+            level2=st.fold_only_passes,
+            passes=st.compaction_passes,
+        )
+    else:
+        dropped = getattr(pub, "dropped", 0)
+        deadline = time.monotonic() + 60  # vLLM's shutdown() raises queue.Full on a full queue
+        while pub._event_queue.qsize() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        pub.shutdown()
+        out.update(dropped=dropped, messages=len(batches) - dropped, gaps=0, bytes=None)
+    lat.sort()
+    out.update(
+        p50_us=lat[len(lat) // 2] / 1e3,
+        p99_us=lat[int(len(lat) * 0.99)] / 1e3,
+        max_us=lat[-1] / 1e3,
+        stall_ms=sum(lat) / 1e6,
+    )
+    return out
+
+
+def effective_sleep(gpu_us: float, n: int = 200) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        time.sleep(gpu_us / 1e6)
+    return (time.perf_counter() - t0) / n
+
+
+def bench_overload(steps: int, cpu_us: float, gpu_us: float, queue: int) -> None:
+    rate = drain_rate(64)
+    gpu_eff = effective_sleep(gpu_us)
+    print(
+        f"\n## publish() under overload ({steps} steps of {cpu_us:.0f} us CPU + a GPU wait of "
+        f"{gpu_us:.0f} us ({gpu_eff * 1e6:.0f} us effective); max_queue_size={queue})\n"
+    )
+    print(
+        f"Stock sender drain rate measured: {rate / 1e6:.1f} M events/s. Overload = events "
+        "offered per step / events the stock sender can drain during one GPU wait.\n"
+    )
+    print(
+        "| overload | blocks/step | publisher | p50 us | p99 us | max us | stall ms "
+        "| stall vs stock | dropped | gaps | messages | wire bytes vs uncompacted |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    enc = msgspec.msgpack.Encoder()
+    n = 0
+    for load in (0.5, 1, 2, 5, 10):
+        blocks = max(1, round(load * rate * gpu_eff / 3))
+        batches = [make_batch(i, blocks) for i in range(steps)]
+        raw = sum(len(enc.encode(b)) for b in batches)
+        base: dict[str, Any] = {}
+        for name in ("stock", "drop", "coalesce"):
+            n += 1
+            cls = {"stock": StockPublisher, "drop": DropPublisher, "coalesce": CoalescingPublisher}
+            ctor = functools.partial(
+                cls[name], 0, endpoint=f"inproc://bench-{os.getpid()}-{n}", max_queue_size=queue
+            )
+            r = run_engine(ctor, batches, cpu_us, gpu_us)
+            if name == "stock":
+                base = r
+            wire = (
+                f"{r['bytes'] / raw:.2f}" if r["bytes"] else ("1.00" if not r["dropped"] else "n/a")
+            )
+            print(
+                f"| {load}x | {blocks} | {name} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | "
+                f"{r['max_us']:.0f} | {r['stall_ms']:.1f} | "
+                f"{r['stall_ms'] / base['stall_ms']:.3f} | {r['dropped']} | {r['gaps']} | "
+                f"{r['messages']} | {wire} |"
+            )
+        del batches
+
+
+def bench_compactor() -> None:
+    print("\n## compactor throughput (offload window, one call)\n")
+    print("| window events | every rule: Mev/s | us/event | fold only: Mev/s | encode: Mev/s |")
+    print("|---|---|---|---|---|")
+    enc = msgspec.msgpack.Encoder()
+    for blocks_total in (128, 512, 2048, 8192, 32768):
+        batches = [make_batch(i, 1) for i in range(blocks_total // 3 + 1)]
+        events = sum(len(b.events) for b in batches)
+
+        def best(fn: Callable[[], Any], reps: int = 5) -> float:
+            return min(_timed(fn) for _ in range(reps))
+
+        full = best(functools.partial(compact, batches))
+        fold = best(functools.partial(compact, batches, fold_only=True))
+        out, _ = compact(batches, fold_only=True)
+        encode = best(functools.partial(_encode_all, enc, out))
+        print(
+            f"| {events} | {events / full / 1e6:.2f} | {full / events * 1e6:.2f} | "
+            f"{events / fold / 1e6:.1f} | {events / encode / 1e6:.1f} |"
+        )
+
+
+def _encode_all(enc: Any, batches: list[Any]) -> list[bytes]:
+    return [enc.encode(b) for b in batches]
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--cpu-us", type=float, default=50.0)
+    ap.add_argument("--gpu-us", type=float, default=100.0)
+    ap.add_argument("--queue", type=int, default=100, help="max_queue_size for all three")
+    args = ap.parse_args()
+    print(
+        f"# kv-coalesce benchmarks\n\nmachine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, pyzmq {zmq.__version__}, "
+        f"msgspec {msgspec.__version__}; stock publisher: "
+        f"{'real vllm ' + __import__('vllm').__version__ if REAL_VLLM else 're-implementation'}"
+    )
+    print("single runs; this 2-core machine is noisy (about ±30%)")
+    bench_compactor()
+    bench_overload(args.steps, args.cpu_us, args.gpu_us, args.queue)
+
+
+if __name__ == "__main__":
+    main()
