@@ -1,0 +1,45 @@
+"""Every ```python block in the README and docs/ runs, so the docs stay true.
+
+Blocks that import vLLM run in the conformance tier (tests_vllm), where the
+real package is installed; here they are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def doc_blocks(need_vllm: bool) -> list[object]:
+    """The python blocks of the docs that do (or do not) import vllm."""
+    out = []
+    for path in DOCS:
+        for n, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            if ("vllm" in code and "import" in code) == need_vllm:
+                out.append(pytest.param(code, id=f"{path.name}:{n}"))
+    return out
+
+
+def run_block(code: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("code", doc_blocks(need_vllm=False))
+def test_doc_example_runs(code: str) -> None:
+    run_block(code)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="run by tests_vllm")
+def test_vllm_blocks_are_left_to_the_conformance_tier() -> None:
+    assert doc_blocks(need_vllm=True), "docs/vllm.md should show a runnable check"
