@@ -1,4 +1,4 @@
-"""Command line: ``coalesce demo``.
+"""Command line: ``coalesce demo`` and ``coalesce subscribe``.
 
 The demo drives a :class:`~coalesce.CoalescingPublisher` with an offload-like
 workload (GPU stores, GPU evictions, CPU copies) in two phases: a steady phase
@@ -118,6 +118,50 @@ def demo(steps: int, burst: int, gpu_wait: float) -> int:
     return 0 if exact or st.batches_dropped else 1
 
 
+def subscribe(
+    endpoints: list[str], replays: list[str], topic: str, as_json: bool, seconds: float | None
+) -> int:
+    """Follow publishers; print live counters (or JSON lines); a summary on Ctrl-C."""
+    from coalesce.subscriber import Source, Subscriber
+
+    if replays and len(replays) != len(endpoints):
+        raise SystemExit("--replay must be given once per ENDPOINT, or not at all")
+    reps: list[str | None] = list(replays) if replays else [None] * len(endpoints)
+
+    def print_batch(src: Source, seq: int, ts: float, events: list[Any], rank: int | None) -> None:
+        line = {
+            "source": src.endpoint,
+            "seq": seq,
+            "ts": ts,
+            "rank": rank,
+            "events": [msgspec.to_builtins(e) for e in events],
+        }
+        print(msgspec.json.encode(line).decode(), flush=True)
+
+    sub = Subscriber(endpoints, reps, topic=topic, on_batch=print_batch if as_json else None)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            sub.poll(0.2)
+            if not as_json:
+                s = sub.summary()
+                kinds = " ".join(f"{k}={v}" for k, v in sorted(s["events"].items()))
+                print(
+                    f"\rmessages={s['messages']} {kinds} gaps={s['gaps']} "
+                    f"replays={s['replays']} resets={s['resets']} "
+                    f"index={s['index_size']}   ",
+                    end="",
+                    flush=True,
+                )
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
+    print("" if as_json else "\n", end="")
+    print(msgspec.json.encode({"summary": sub.summary()}).decode(), flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coalesce", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,7 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=2000, help="steady steps (default 2000)")
     d.add_argument("--burst", type=int, default=20000, help="burst steps (default 20000)")
     d.add_argument("--gpu-wait", type=float, default=0.0005, help="seconds per steady step")
+    s = sub.add_parser("subscribe", help="follow publishers: live counters, or JSON lines")
+    s.add_argument("endpoint", nargs="+", help="PUB endpoint(s), e.g. tcp://127.0.0.1:5557")
+    s.add_argument("--replay", action="append", default=[], help="replay endpoint, per ENDPOINT")
+    s.add_argument("--topic", default="", help="topic prefix to subscribe to")
+    s.add_argument("--json", action="store_true", help="one JSON line per batch")
+    s.add_argument("--seconds", type=float, default=None, help="stop after this long")
     args = parser.parse_args(argv)
+    if args.command == "subscribe":
+        return subscribe(args.endpoint, args.replay, args.topic, args.json, args.seconds)
     if args.steps < 0 or args.burst < 0 or args.steps + args.burst == 0:
         parser.error("--steps and --burst must be >= 0 and not both 0")
     return demo(args.steps, args.burst, args.gpu_wait)

@@ -75,7 +75,7 @@ class Backlog:
         q.append(batch)
         self.batches_in += 1
         self.events_in += n_events
-        n = len(q)
+        n = self.batches_in - self.batches_out
         if n > self.peak:
             self.peak = n
         return True
@@ -128,6 +128,11 @@ class Backlog:
     def __len__(self) -> int:
         """Items waiting (batches and markers).  O(1)."""
         return len(self._q)
+
+    @property
+    def pending(self) -> int:
+        """Batches published and not yet taken by the sender.  O(1)."""
+        return self.batches_in - self.batches_out
 
     def drain(self) -> tuple[int, int]:
         """Discard what is left (shutdown past its deadline); return (batches, events)."""

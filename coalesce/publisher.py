@@ -275,7 +275,7 @@ class CoalescingPublisher:
             blocks_moved=moved,
             compaction_passes=passes,
             fold_only_passes=fold_only,
-            backlog_batches=len(b),
+            backlog_batches=b.pending,
             backlog_peak=b.peak,
             replay_requests=0 if r is None else r.requests,
             replay_invalid=0 if r is None else r.invalid,
@@ -376,7 +376,11 @@ class CoalescingPublisher:
         except Exception:  # pragma: no cover - a bug; never let it pass silently
             log.exception("kv-coalesce: sender thread failed")
         finally:
-            self._pub.close(linger=0)
+            # What was sent must still reach subscribers: a linger, not 0 (which would
+            # discard queued messages: a loss with no gap).  close() does not wait for
+            # it; ZeroMQ's I/O thread delivers in the background (the shared context
+            # is never terminated).
+            self._pub.close(linger=int(self.settings.shutdown_timeout * 1000))
             if self._router is not None:
                 self._router.close(linger=0)
 
@@ -393,7 +397,7 @@ class CoalescingPublisher:
         drops.
         """
         backlog, settings = self._backlog, self.settings
-        waiting = len(backlog)
+        waiting = backlog.pending
         pending = backlog.events_in - backlog.events_out
         level = 0
         if settings.compaction and (flushing or waiting > settings.high_watermark):

@@ -1,0 +1,67 @@
+"""The command line, run as a user would: a real process on a real socket."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
+from tests.conftest import free_port
+
+
+def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
+    port = free_port()
+    pub = CoalescingPublisher(endpoint=f"tcp://*:{port}", compaction=False)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coalesce",
+            "subscribe",
+            f"tcp://127.0.0.1:{port}",
+            "--json",
+            "--seconds",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        first = None
+        i = 0
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while first is None:  # publish until the subscriber (a slow joiner) hears one
+            assert time.monotonic() < deadline, "the CLI never printed a batch"
+            pub.publish(KVEventBatch(float(i), [BlockStored([i], None, [], 4, None, "GPU", None)]))
+            i += 1
+            if sel.select(0.05):
+                first = json.loads(proc.stdout.readline())
+        assert first["events"][0]["type"] == "BlockStored"
+        assert first["source"] == f"tcp://127.0.0.1:{port}"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        pub.shutdown()
+    summary = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert summary["messages"] >= 1 and summary["index_size"] >= 1
+    assert proc.returncode == 0, err
+
+
+def test_demo_runs_small():
+    run = subprocess.run(
+        [sys.executable, "-m", "coalesce", "demo", "--steps", "50", "--burst", "500"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "subscriber index == truth  yes" in run.stdout
