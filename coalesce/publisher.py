@@ -39,6 +39,9 @@ __all__ = ["CoalescingPublisher", "PublishOutcome"]
 
 log = logging.getLogger("coalesce")
 
+IDLE_POLL = 0.001
+"""Seconds an idle sender sleeps before looking again (publish() wakes it only under load)."""
+
 
 class PublishOutcome(enum.Enum):
     """What ``publish()`` did with a batch.  vLLM ignores it; tests and callers need not."""
@@ -183,6 +186,7 @@ class CoalescingPublisher:
         # shared flags (each written by one side)
         self._closed = False  # written by shutdown()
         self._idle = False  # written by both, read-then-set races are benign
+        self._wake_at = self.settings.high_watermark  # publish() wakes the sender past this
         self._wake = threading.Event()
         self._shutdown_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="coalesce-sender", daemon=True)
@@ -239,7 +243,9 @@ class CoalescingPublisher:
                 self._backlog.max_events,
             )
             return PublishOutcome.DROPPED
-        if self._idle:
+        # Waking a sleeping thread is a futex syscall (~5 us): only worth it when work
+        # piles up.  Otherwise the idle sender finds the batch within IDLE_POLL.
+        if self._idle and self._backlog.pending > self._wake_at:
             self._idle = False
             self._wake.set()
         return PublishOutcome.QUEUED
@@ -369,7 +375,7 @@ class CoalescingPublisher:
                 if len(self._backlog) or self._closed:
                     self._idle = False
                     continue
-                self._wake.wait(0.005 if self._replay is not None else 0.1)
+                self._wake.wait(IDLE_POLL)
                 self._wake.clear()
                 self._idle = False
             self._finish_loss()

@@ -99,6 +99,7 @@ class Source:
     partial: bool = False
     """The index started from an incomplete history (joined late or reset)."""
     messages: int = 0
+    bytes: int = 0
     duplicates: int = 0
     gaps: int = 0
     replays: int = 0
@@ -214,6 +215,7 @@ class Subscriber:
     def _apply(self, src: Source, seq: int, payload: bytes) -> None:
         src.last_seq = seq
         src.messages += 1
+        src.bytes += len(payload)
         src.recent[seq] = hash(payload)
         src.recent_order.append(seq)
         if len(src.recent_order) > RECENT:

@@ -1,4 +1,6 @@
-"""vLLM's stock publisher and the upstream drop-on-full variant, for benchmarks.
+"""vLLM's stock publisher and the upstream drop-on-full variant, for comparisons.
+
+Used by ``coalesce demo`` and ``benchmarks/``; not part of the public API.
 
 When ``vllm`` is importable (``make test-vllm`` builds .venv-vllm) the real
 ``vllm.distributed.kv_events.ZmqEventPublisher`` is used.  Otherwise
@@ -19,13 +21,18 @@ from typing import Any
 import msgspec
 import zmq
 
-try:  # the real thing, when it is installed
-    from vllm.distributed.kv_events import ZmqEventPublisher as _VllmPublisher
 
-    REAL_VLLM = True
-except ImportError:  # pragma: no cover - depends on the environment
-    _VllmPublisher = None
-    REAL_VLLM = False
+def _real_vllm() -> Any:
+    try:  # the real thing, when it is installed
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        return ZmqEventPublisher
+    except ImportError:
+        return None
+
+
+_VllmPublisher = _real_vllm()
+REAL_VLLM = _VllmPublisher is not None
 
 
 class _ReimplementedStock:
@@ -38,11 +45,11 @@ class _ReimplementedStock:
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
         topic: str = "",
-        **_: Any,
+        **_: Any,  # replay_endpoint: not re-implemented (subscribers then cannot replay)
     ) -> None:
         self._rank = data_parallel_rank
         self._event_queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
-        self._pub = zmq.Context.instance().socket(zmq.PUB)
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.bind(endpoint)
         self._topic = topic.encode()
@@ -78,14 +85,14 @@ class _ReimplementedStock:
 StockPublisher: Any = _VllmPublisher if REAL_VLLM else _ReimplementedStock
 
 
-class DropPublisher(StockPublisher):  # type: ignore[misc,valid-type]
+class DropPublisher(StockPublisher):  # type: ignore[misc]
     """The upstream drop-on-full proposal: put_nowait, drop the new batch, no gap."""
 
     dropped = 0
 
     def publish(self, events: Any) -> None:
         if events.data_parallel_rank is None:
-            events.data_parallel_rank = self._rank if not REAL_VLLM else self._data_parallel_rank
+            events.data_parallel_rank = self._data_parallel_rank if REAL_VLLM else self._rank
         try:
             self._event_queue.put_nowait(events)
         except queue.Full:
