@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,plot]'
 	touch $(STAMP)
 
 demo: $(STAMP)            ## the main job: a burst through the publisher, with stats

@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gpu-us", type=float, default=defaults.step_gpu_us, help="GPU wait per step, GIL released"
     )
     d.add_argument("--burst-every", type=int, default=defaults.burst_every)
+    d.add_argument("--burst-length", type=int, default=defaults.burst_length)
     d.add_argument("--burst-requests", type=int, default=defaults.burst_requests)
     d.add_argument("--queue", type=int, default=100, help="max_queue_size for all publishers")
     d.add_argument("--out", default="results", help="where demo.json and demo.png go")
@@ -104,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_cpu_us=args.cpu_us,
             step_gpu_us=args.gpu_us,
             burst_every=args.burst_every,
+            burst_length=args.burst_length,
             burst_requests=args.burst_requests,
         )
     except ValueError as exc:

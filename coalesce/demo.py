@@ -16,6 +16,7 @@ thread can run, as in vLLM.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -56,6 +57,8 @@ class PublisherResult:
     resets: int = 0
     missing: int = 0
     stale: int = 0
+    silent: int = 0
+    """Missing + stale blocks on sources the subscriber believes complete (no reset)."""
     truth_blocks: int = 0
     peak_rss_mb: float = 0.0
     timeline: list[tuple[float, int, float]] = field(default_factory=list)
@@ -111,6 +114,7 @@ def _engine_main(
     queue: int,
     heard: Any,
     progress: Any,
+    release: Any,
     out: Any,
 ) -> None:
     """One DP rank: warm up until the subscriber hears it, run the steps, report."""
@@ -118,20 +122,22 @@ def _engine_main(
     from coalesce.workload import Engine
 
     engine = Engine(cfg, rank)
+    # The model runs first, so that a step costs exactly step_cpu_us + step_gpu_us
+    # whatever the model's own cost (bursts take it milliseconds of Python).
+    steps = [engine.step() for _ in range(cfg.steps)]
+    events_in = sum(map(len, steps))
+    gc.collect()
+    gc.freeze()  # keep cyclic-GC pauses over those objects out of the timings
     pub = _make_publisher(kind, rank, port, replay_port, queue)
     while not heard.is_set():  # empty batches until the subscriber hears this rank
         pub.publish(KVEventBatch(ts=time.time(), events=[]))
         time.sleep(0.005)
     lat: list[int] = []
     timeline: list[tuple[float, int, float]] = []
-    events_in = 0
     clock = time.perf_counter_ns
     start = time.perf_counter()
-    for step in range(cfg.steps):
-        t_step = time.perf_counter()
-        events = engine.step()
-        events_in += len(events)
-        _spin_until(t_step + cfg.step_cpu_us / 1e6)
+    for step, events in enumerate(steps):
+        _spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
         t0 = clock()
         pub.publish(KVEventBatch(ts=time.time(), events=events))
         dt = clock() - t0
@@ -151,7 +157,6 @@ def _engine_main(
         deadline = time.monotonic() + 60
         while pub._event_queue.qsize() and time.monotonic() < deadline:
             time.sleep(0.001)
-    pub.shutdown()
     lat.sort()
     out.put(
         {
@@ -168,6 +173,10 @@ def _engine_main(
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
     )
+    # Keep the PUB socket open until the subscriber has read everything: a publisher
+    # that exits drops what is still queued for a slow reader, and no gap shows it.
+    release.wait(300)
+    pub.shutdown()
 
 
 def _subscriber_main(
@@ -197,6 +206,7 @@ def _subscriber_main(
             "gaps": sum(s.gaps for s in sub.sources),
             "replays": sum(s.replays for s in sub.sources),
             "resets": sum(s.resets for s in sub.sources),
+            "partial": [s.partial for s in sub.sources],
             "bytes": sum(s.bytes for s in sub.sources),
             **wire,
         }
@@ -219,6 +229,7 @@ def run_publisher(
     ]
     heard = [ctx.Event() for _ in range(cfg.ranks)]
     done = ctx.Event()
+    release = ctx.Event()
     sub_out: Any = ctx.Queue()
     eng_out: Any = ctx.Queue()
     progress = [ctx.Value("i", 0) for _ in range(cfg.ranks)]
@@ -236,6 +247,7 @@ def run_publisher(
                 queue,
                 heard[r],
                 progress[r],
+                release,
                 eng_out,
             ),
         )
@@ -255,7 +267,8 @@ def run_publisher(
             bar = "#" * int(frac * 30)
             print(f"\r  {kind:<9} [{bar:<30}] {frac:4.0%}", end="", file=sys.stderr, flush=True)
     done.set()
-    subscriber = sub_out.get(timeout=120)
+    subscriber = sub_out.get(timeout=300)
+    release.set()
     for p in [*engines, sub]:
         p.join(30)
     if show_progress:
@@ -269,6 +282,8 @@ def run_publisher(
         held = {tuple(k) for k in subscriber["states"][r["rank"]]}
         res.missing += len(truth - held)
         res.stale += len(held - truth)
+        if not subscriber["partial"][r["rank"]]:
+            res.silent += len(truth ^ held)
         res.truth_blocks += len(truth)
         res.engine_wall_s = max(res.engine_wall_s, r["wall"])
         res.publish_total_ms += r["lat_total_ms"]
@@ -304,6 +319,7 @@ def _table(results: list[PublisherResult]) -> str:
         "resets",
         "missing",
         "stale",
+        "silent",
         "peak RSS MB",
     )
     rows = []
@@ -326,6 +342,7 @@ def _table(results: list[PublisherResult]) -> str:
                 f"{r.resets}",
                 f"{r.missing:,}",
                 f"{r.stale:,}",
+                f"{r.silent:,}",
                 f"{r.peak_rss_mb:.0f}",
             )
         )

@@ -395,7 +395,8 @@ class CoalescingPublisher:
 
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
         Above it: fold and apply every rule, ``max_events_per_step`` events at
-        a time.  If a pass of the rules (~2 us/event, against ~0.1 us/event
+        a time (a single batch larger than that is only sent, never run
+        through the rules).  If a pass of the rules (~2 us/event, against ~0.1 us/event
         to encode and send) loses ground, i.e. more events are pending after
         it than before, or more than ``fold_only_events`` are pending: fold
         only, in 4x larger windows, which drains at encoding speed, until the
@@ -436,6 +437,8 @@ class CoalescingPublisher:
             self._skip_pending = True
             return
         assert isinstance(window, list)
+        if level == 1 and len(window) == 1 and len(window[0].events) > step:
+            level = 2  # one oversized batch: the rules on it alone would hold the GIL for long
         out, rep = compact(window, move_events=settings.move_events, fold_only=level == 2)
         c = self._compaction
         c[0] += 1

@@ -65,8 +65,10 @@ class SubscriberModel:
         return self._keys_with_hash.get(h, 0) > 0
 
     def _store(self, ev: Any, medium: Any) -> None:
-        group = getattr(ev, "group_idx", None)
-        parent = ev.parent_block_hash
+        self.store(ev.block_hashes, ev.parent_block_hash, medium, getattr(ev, "group_idx", None))
+
+    def store(self, hashes: Iterable[Any], parent: Any, medium: Any, group: Any) -> None:
+        """Apply one store event (a chain of ``hashes`` under ``parent``).  O(hashes)."""
         if (
             self.mode in ("llmd", "dynamo")
             and parent is not None
@@ -74,10 +76,11 @@ class SubscriberModel:
         ):
             self.dropped_stores += 1
             return
-        for h in ev.block_hashes:
+        for h in hashes:
             self._add((medium, group, h))
 
-    def _remove(self, hashes: Iterable[Any], medium: Any, group: Any) -> None:
+    def remove(self, hashes: Iterable[Any], medium: Any, group: Any) -> None:
+        """Apply one removal event.  O(hashes)."""
         for h in hashes:
             key = (medium, group, h)
             c = self.counts.get(key, 0)
@@ -97,16 +100,20 @@ class SubscriberModel:
         """Apply one event; unknown events are ignored."""
         if isinstance(ev, BlockMoved):
             self._store(ev, ev.to_medium)
-            self._remove(ev.block_hashes, ev.from_medium, ev.group_idx)
+            self.remove(ev.block_hashes, ev.from_medium, ev.group_idx)
             return
         kind = event_kind(ev)
         if kind == STORED:
             self._store(ev, ev.medium)
         elif kind == REMOVED:
-            self._remove(ev.block_hashes, ev.medium, getattr(ev, "group_idx", None))
+            self.remove(ev.block_hashes, ev.medium, getattr(ev, "group_idx", None))
         elif kind == CLEARED:
-            self.counts.clear()
-            self._keys_with_hash.clear()
+            self.clear()
+
+    def clear(self) -> None:
+        """Apply ``AllBlocksCleared``."""
+        self.counts.clear()
+        self._keys_with_hash.clear()
 
     def apply_batches(self, batches: Iterable[Any]) -> SubscriberModel:
         """Apply every event of every batch, in order; returns ``self``."""

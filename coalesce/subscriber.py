@@ -67,11 +67,67 @@ def _decode_event(raw: Any) -> msgspec.Struct | None:
         return None
 
 
+class _Stored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[Any]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _Moved(msgspec.Struct, tag="BlockMoved", gc=False):
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    from_medium: str | None
+    to_medium: str | None
+    group_idx: int | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _IndexBatch(msgspec.Struct, array_like=True, gc=False):
+    """What the index needs: fields it does not need (tokens...) are skipped, not built."""
+
+    ts: float
+    events: list[_Stored | _Removed | _Moved | _Cleared]
+    data_parallel_rank: int | None = None
+
+
+_for_index = msgspec.msgpack.Decoder(type=_IndexBatch)
+
+
+def _apply_to_index(index: SubscriberModel, events: list[Any]) -> Counter[str]:
+    kinds: Counter[str] = Counter()
+    for ev in events:
+        cls = type(ev)
+        if cls is _Stored:
+            index.store(ev.block_hashes, ev.parent_block_hash, ev.medium, ev.group_idx)
+        elif cls is _Removed:
+            index.remove(ev.block_hashes, ev.medium, ev.group_idx)
+        elif cls is _Moved:
+            index.store(ev.block_hashes, ev.parent_block_hash, ev.to_medium, ev.group_idx)
+            index.remove(ev.block_hashes, ev.from_medium, ev.group_idx)
+        elif cls is _Cleared:
+            index.clear()
+        else:
+            index.apply_event(ev)
+        kinds[cls.__struct_config__.tag or cls.__name__] += 1
+    return kinds
+
+
 def decode_batch(payload: bytes) -> tuple[float, list[msgspec.Struct], int | None, int]:
     """Decode one payload: ``(ts, known events, data_parallel_rank, unknown count)``.
 
     Raises ``ValueError`` if the payload is not a 2- or 3-element batch array.
-    O(events).
+    The events are full :mod:`coalesce.events` structs (a few us/event: every
+    field is built); the subscriber itself decodes only what its index needs.
     """
     raw = msgspec.msgpack.decode(payload)
     if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
@@ -125,7 +181,9 @@ class Subscriber:
     ``"llmd"`` by default, a refcount with llm-d's parent rule.  ``rcvhwm``
     sets the SUB sockets' receive high-water mark (ZeroMQ's default: 1000
     messages).  ``on_batch(source, seq, ts, events, rank)`` is called after
-    each batch is applied (live or replayed).  Not thread-safe: use it from
+    each batch is applied (live or replayed); its events carry what the index
+    uses (hashes, parent, medium, group), not tokens: use :func:`decode_batch`
+    on the payload for full events.  Not thread-safe: use it from
     one thread.
     """
 
@@ -138,8 +196,7 @@ class Subscriber:
         mode: Mode = "llmd",
         replay_timeout: float = 5.0,
         rcvhwm: int | None = None,
-        on_batch: Callable[[Source, int, float, list[msgspec.Struct], int | None], None]
-        | None = None,
+        on_batch: Callable[[Source, int, float, list[Any], int | None], None] | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
@@ -220,15 +277,18 @@ class Subscriber:
         src.recent_order.append(seq)
         if len(src.recent_order) > RECENT:
             src.recent.pop(src.recent_order.popleft(), None)
-        try:
-            ts, events, rank, unknown = decode_batch(payload)
-        except (ValueError, msgspec.DecodeError):
-            src.bad_messages += 1
-            return
+        events: list[Any]
+        try:  # the fast path: every event known and map-encoded, only index fields built
+            fast = _for_index.decode(payload)
+            ts, events, rank, unknown = fast.ts, list(fast.events), fast.data_parallel_rank, 0
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            try:  # the tolerant path: legacy arrays, unknown tags (that event only)
+                ts, events, rank, unknown = decode_batch(payload)
+            except (ValueError, msgspec.DecodeError):
+                src.bad_messages += 1
+                return
         src.unknown_events += unknown
-        for ev in events:
-            src.events[type(ev).__name__] += 1
-            src.index.apply_event(ev)
+        src.events.update(_apply_to_index(src.index, events))
         if self._on_batch is not None:
             self._on_batch(src, seq, ts, events, rank)
 

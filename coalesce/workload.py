@@ -6,9 +6,9 @@ unique blocks.  Blocks already on the GPU are hits; others are allocated on
 the GPU, evicting the least recently used block when the pool is full.  An
 evicted block is offloaded to the CPU pool (unless already there), which
 evicts its own least recently used block when full.  Every ``burst_every``
-steps a burst of long unique prompts arrives and evicts by the thousand: the
-traffic that hangs vLLM's publisher.  Every ``clear_every`` steps (if set) the
-prefix cache is reset.
+steps a burst of long unique prompts arrives (for ``burst_length`` steps in a
+row) and evicts by the thousand: the traffic that hangs vLLM's publisher.
+Every ``clear_every`` steps (if set) the prefix cache is reset.
 
 Events follow vLLM's shape and order (facts sheet section 5): per step the GPU
 block pool's events come first (a request's new blocks as one chained
@@ -39,7 +39,7 @@ class WorkloadConfig:
     """Scale knobs.  The defaults run the three-publisher demo in well under a minute."""
 
     ranks: int = 2
-    steps: int = 2000
+    steps: int = 1500
     prefixes: int = 8
     prefix_blocks: int = 48
     suffix_blocks: int = 2
@@ -47,8 +47,9 @@ class WorkloadConfig:
     block_size: int = 16
     gpu_blocks: int = 1024
     cpu_blocks: int = 4096
-    burst_every: int = 200
-    burst_requests: int = 48
+    burst_every: int = 750
+    burst_length: int = 250
+    burst_requests: int = 16
     burst_blocks: int = 96
     clear_every: int = 0
     step_cpu_us: float = 300.0
@@ -84,8 +85,8 @@ class Engine:
     # -- the model -------------------------------------------------------------------
 
     def _tokens(self, *key: int) -> tuple[int, ...]:
-        rng = random.Random(hash(key))
-        return tuple(rng.getrandbits(15) for _ in range(self.config.block_size))
+        base = hash(key) & 0xFFFFFFFF
+        return tuple((base + i * 2654435761) % 32_000 for i in range(self.config.block_size))
 
     def _store_event(
         self, chain: list[tuple[int, int | None, tuple[int, ...]]], medium: str
@@ -146,7 +147,7 @@ class Engine:
             blocks = list(self._prefix_tokens[p])
             blocks += [self._tokens(-1, self._step, r, i) for i in range(c.suffix_blocks)]
             self._request(blocks)
-        if c.burst_every and self._step % c.burst_every == 0:
+        if c.burst_every and self._step % c.burst_every < c.burst_length:
             for r in range(c.burst_requests):
                 self._request([self._tokens(-2, self._step, r, i) for i in range(c.burst_blocks)])
         return self._gpu_events + self._cpu_events
