@@ -1,0 +1,93 @@
+"""Overload sweep: loss, divergence, stall and wire volume per publisher, 1x to 20x.
+
+Run: ``.venv-vllm/bin/python benchmarks/bench_overload.py`` (real vLLM
+publisher) or ``.venv/bin/python benchmarks/bench_overload.py`` (its
+re-implementation).  Each cell is one run of ``coalesce.demo.run_publisher``
+(one engine process, one subscriber process with replay) on the seeded
+offload workload; the overload factor sets the burst size.
+
+Overload = events offered in one burst step / events the stock sender can
+encode and send during one GPU wait, both measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from dataclasses import replace
+
+import msgspec
+import zmq
+
+from coalesce.demo import PUBLISHERS, run_publisher
+from coalesce.events import KVEventBatch
+from coalesce.workload import Engine, WorkloadConfig
+
+
+def stock_capacity_per_step(cfg: WorkloadConfig) -> float:
+    """Events the stock sender's per-batch work (encode + send_multipart) covers in one GPU wait."""
+    probe = replace(cfg, steps=cfg.burst_length + 1)
+    engine = Engine(probe, 0)
+    batches = [KVEventBatch(0.0, engine.step(), 0) for _ in range(probe.steps)]
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.bind(f"inproc://capacity-{os.getpid()}")
+    enc = msgspec.msgpack.Encoder()
+    t0 = time.perf_counter()
+    for i, b in enumerate(batches):
+        sock.send_multipart((b"", i.to_bytes(8, "big"), enc.encode(b)))
+    rate = sum(len(b.events) for b in batches) / (time.perf_counter() - t0)
+    sock.close(linger=0)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        time.sleep(cfg.step_gpu_us / 1e6)
+    gpu_wait = (time.perf_counter() - t0) / 200
+    return rate * gpu_wait
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loads", default="1,2,5,10,20")
+    ap.add_argument("--queue", type=int, default=100)
+    args = ap.parse_args()
+    base = replace(WorkloadConfig(), ranks=1, steps=500, burst_every=500, burst_length=120)
+    # Once the pools are full, a burst request is one chained GPU store plus, per
+    # block, a GPU eviction, its CPU copy and a CPU eviction.
+    per_request = 3 * base.burst_blocks + 1
+    cap = stock_capacity_per_step(base)
+    from coalesce._baselines import REAL_VLLM
+
+    print(
+        f"# overload sweep\n\nmachine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}; stock publisher: "
+        f"{'real vLLM' if REAL_VLLM else 're-implementation'}; one rank, {base.steps} steps, "
+        f"a burst of {base.burst_length} steps; max_queue_size={args.queue}; stock sender "
+        f"capacity {cap:,.0f} events per GPU wait\n"
+    )
+    print(
+        "| overload | events/burst step | publisher | stall ms | worst publish ms | p99 us "
+        "| dropped | gaps seen | silent divergence | final divergence | wire MB "
+        "| wire vs stock |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for load in (float(x) for x in args.loads.split(",")):
+        requests = max(1, round(load * cap / per_request))
+        cfg = replace(base, burst_requests=requests)
+        stock_bytes = None
+        for kind in PUBLISHERS:
+            r = run_publisher(kind, cfg, queue=args.queue, show_progress=False)
+            if kind == "stock":
+                stock_bytes = r.bytes_on_wire
+            vs = f"{r.bytes_on_wire / stock_bytes:.2f}" if stock_bytes else "n/a"
+            print(
+                f"| {load:g}x | {requests * per_request:,} | {kind} | {r.publish_total_ms:.1f} "
+                f"| {r.publish_max_us / 1e3:.2f} | {r.publish_p99_us:.1f} | {r.dropped} "
+                f"| {r.gaps_seen} | {r.silent:,} | {r.missing + r.stale:,} "
+                f"| {r.bytes_on_wire / 1e6:.1f} | {vs} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
