@@ -32,7 +32,7 @@ LOSS: Final = _Loss()
 class Backlog:
     """Bounded by the caller's budget, not by blocking.
 
-    Engine thread: :meth:`offer`, :meth:`note_loss`.  Sender thread:
+    Engine thread: :meth:`offer`.  Sender thread: :meth:`mark_pending_loss` (at shutdown),
     :meth:`take_one`, :meth:`take`.  Any thread: the read-only properties.
     """
 
@@ -62,7 +62,7 @@ class Backlog:
         """
         if (
             self.batches_in - self.batches_out >= self.max_batches
-            or self.events_in - self.events_out + n_events > self.max_events
+            or self.pending_events + n_events > self.max_events
         ):
             self.batches_dropped += 1
             self.events_dropped += n_events
@@ -79,12 +79,6 @@ class Backlog:
         if n > self.peak:
             self.peak = n
         return True
-
-    def note_loss(self, batches: int, events: int) -> None:
-        """Count batches lost outside :meth:`offer` and mark the loss in order."""
-        self.batches_dropped += batches
-        self.events_dropped += events
-        self._q.append(LOSS)
 
     def mark_pending_loss(self) -> None:
         """Put the marker for refused batches in now (no later batch will)."""
@@ -133,6 +127,21 @@ class Backlog:
     def pending(self) -> int:
         """Batches published and not yet taken by the sender.  O(1)."""
         return self.batches_in - self.batches_out
+
+    @property
+    def pending_events(self) -> int:
+        """Events in those batches.  O(1)."""
+        return self.events_in - self.events_out
+
+    def check(self) -> None:
+        """Assert the invariants (tests call it after every mutation).  O(items)."""
+        batches = [x for x in self._q if x is not LOSS]
+        assert len(batches) == self.pending >= 0, "counters match the queue"
+        assert sum(len(b.events) for b in batches) == self.pending_events >= 0
+        assert self.pending <= self.max_batches, "the batch budget holds"
+        assert self.pending_events <= self.max_events, "the event budget holds"
+        assert self.peak >= self.pending
+        # Adjacent markers are allowed: the sender turns a run of them into one gap.
 
     def drain(self) -> tuple[int, int]:
         """Discard what is left (shutdown past its deadline); return (batches, events)."""

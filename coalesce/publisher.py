@@ -404,11 +404,10 @@ class CoalescingPublisher:
         drops.
         """
         backlog, settings = self._backlog, self.settings
-        waiting = backlog.pending
-        pending = backlog.events_in - backlog.events_out
+        waiting, events_before = backlog.pending, backlog.pending_events
         level = 0
         if settings.compaction and (flushing or waiting > settings.high_watermark):
-            escalate = flushing or self._escalated or pending > settings.fold_only_events
+            escalate = flushing or self._escalated or events_before > settings.fold_only_events
             level = 2 if escalate else 1
         else:
             self._escalated = False
@@ -419,7 +418,7 @@ class CoalescingPublisher:
                     f"level{level}",
                     "kv-coalesce: sender behind (%d batches, %d events waiting): %s",
                     waiting,
-                    backlog.events_in - backlog.events_out,
+                    events_before,
                     "compacting" if level == 1 else "escalating to fold-only",
                 )
             self._level = level
@@ -450,7 +449,7 @@ class CoalescingPublisher:
         c[6] += level == 2
         self._send_all(out, window)
         self._done += len(window)
-        if level == 1 and backlog.events_in - backlog.events_out >= pending:
+        if level == 1 and backlog.pending_events >= events_before:
             self._escalated = True  # the rules cost more than they save: fold only
 
     def _send_all(self, batches: list[Any], originals: list[Any]) -> None:
