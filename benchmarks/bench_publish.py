@@ -28,9 +28,8 @@ import msgspec
 import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _stock import REAL_VLLM, DropPublisher, StockPublisher
-
 from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
+from coalesce._baselines import REAL_VLLM, DropPublisher, StockPublisher
 from coalesce.compactor import compact
 
 if REAL_VLLM:

@@ -9,7 +9,10 @@ was evicted (or skipped by a loss) simply gets a reply that starts later.
 Unlike vLLM, a long reply is sent in slices of ``chunk`` messages per
 :meth:`ReplayService.step`, interleaved with live publishing, so one replay
 of 10,000 messages never holds the sender (and the GIL) for tens of ms.  A
-reply covers the messages that were buffered when the request arrived.
+reply covers the messages that were buffered when the request arrived.  The
+ROUTER is ``ROUTER_MANDATORY`` and sends without blocking: a reply to a client
+that has gone stops at once, and one to a client at its high-water mark waits
+for a later step instead of losing frames silently.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from coalesce._wire import END_SEQ
 __all__ = ["ReplayBuffer", "ReplayService"]
 
 _MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 log = logging.getLogger("coalesce")
 
 
@@ -75,6 +79,7 @@ class ReplayService:
         self.requests = 0
         self.invalid = 0
         self.messages = 0
+        self.abandoned = 0
 
     @property
     def busy(self) -> bool:
@@ -108,26 +113,43 @@ class ReplayService:
         return did
 
     def _send_slice(self, reply: list[object], budget: int) -> int:
+        """Send up to ``budget`` messages of the oldest reply; return how many were sent.
+
+        The ROUTER is ``ROUTER_MANDATORY``: a client that has gone away
+        (``EHOSTUNREACH``) ends its reply at once instead of costing a send per
+        buffered message; a client at its HWM (``EAGAIN``) is retried later
+        instead of silently losing frames.
+        """
         identity, next_seq, last_seq = reply
         assert isinstance(identity, bytes) and isinstance(next_seq, int)
         assert isinstance(last_seq, int)
-        buf, sock, sent = self._buffer, self._sock, 0
+        buf, sent = self._buffer, 0
         i = buf.index_of(next_seq)
-        while sent < budget and i < len(buf) and buf[i][0] <= last_seq:
-            seq, payload = buf[i]
-            sock.send(identity, _MORE)
-            sock.send(b"", _MORE)
-            sock.send(self._topic, _MORE)
-            sock.send(seq.to_bytes(8, "big"), _MORE)
-            sock.send(payload)
-            sent += 1
-            i += 1
-            reply[1] = seq + 1
-        if sent < budget:  # nothing left to send for this client: end marker
-            for frame in (identity, b"", b"", END_SEQ):
-                sock.send(frame, _MORE)
-            sock.send(b"")
-            self._active.popleft()
-            sent += 1
-        self.messages += sent
+        try:
+            while sent < budget and i < len(buf) and buf[i][0] <= last_seq:
+                seq, payload = buf[i]
+                self._send(identity, self._topic, seq.to_bytes(8, "big"), payload)
+                sent += 1
+                i += 1
+                reply[1] = seq + 1
+                self.messages += 1
+            if sent < budget:  # nothing left to send for this client: end marker
+                self._send(identity, b"", END_SEQ, b"")
+                self._active.popleft()
+                sent += 1
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EAGAIN:  # its queue is full: try again next step
+                self._active.rotate(-1)
+                return max(sent, 1)
+            self._active.popleft()  # gone (EHOSTUNREACH) or broken: drop the reply
+            self.abandoned += 1
+            return max(sent, 1)
         return sent
+
+    def _send(self, identity: bytes, topic: bytes, seq: bytes, payload: bytes) -> None:
+        sock = self._sock
+        sock.send(identity, _MORE | _NOBLOCK)  # routing is decided on this frame
+        sock.send(b"", _MORE)
+        sock.send(topic, _MORE)
+        sock.send(seq, _MORE)
+        sock.send(payload)

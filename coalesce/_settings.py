@@ -43,7 +43,7 @@ class Settings:
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = 512
     """Events one compaction step takes (bounds each GIL hold of the sender)."""
-    fold_only_events: int = 8192
+    fold_only_events: int = 2048
     """Pending events beyond which the sender only folds (the rules cost ~2 us/event);
     it also folds only once a pass of the rules has lost ground."""
     shutdown_timeout: float = 1.0

@@ -60,6 +60,8 @@ class PublisherResult:
     silent: int = 0
     """Missing + stale blocks on sources the subscriber believes complete (no reset)."""
     truth_blocks: int = 0
+    replayed_messages: int = 0
+    """Messages the publishers re-sent to replay clients (coalesce only)."""
     peak_rss_mb: float = 0.0
     timeline: list[tuple[float, int, float]] = field(default_factory=list)
     """(seconds since start, backlog in batches, publish() us) for rank 0."""
@@ -150,6 +152,7 @@ def _engine_main(
     wall = time.perf_counter() - start
     progress.value = cfg.steps
     dropped = int(getattr(pub, "dropped", 0))
+    replayed = 0
     if hasattr(pub, "flush"):
         pub.flush(60)
         dropped = pub.stats().batches_dropped
@@ -176,6 +179,9 @@ def _engine_main(
     # Keep the PUB socket open until the subscriber has read everything: a publisher
     # that exits drops what is still queued for a slow reader, and no gap shows it.
     release.wait(300)
+    if hasattr(pub, "stats"):
+        replayed = pub.stats().replay_messages
+    out.put({"rank": rank, "replayed": replayed})
     pub.shutdown()
 
 
@@ -256,7 +262,7 @@ def run_publisher(
     for e in engines:
         e.start()
     reports: list[dict[str, Any]] = []
-    while len(reports) < cfg.ranks:
+    while len(reports) < cfg.ranks:  # first report per rank: the run itself
         try:
             reports.append(eng_out.get(timeout=0.2))
         except Exception:  # queue.Empty: show progress, check the processes
@@ -269,6 +275,7 @@ def run_publisher(
     done.set()
     subscriber = sub_out.get(timeout=300)
     release.set()
+    replayed = sum(eng_out.get(timeout=60)["replayed"] for _ in range(cfg.ranks))
     for p in [*engines, sub]:
         p.join(30)
     if show_progress:
@@ -300,6 +307,7 @@ def run_publisher(
     res.gaps_seen = subscriber["gaps"]
     res.replays = subscriber["replays"]
     res.resets = subscriber["resets"]
+    res.replayed_messages = replayed
     return res
 
 

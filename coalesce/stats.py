@@ -67,6 +67,8 @@ class PublisherStats:
     """Replay requests ignored (wrong frame count or seq length)."""
     replay_messages: int
     """Buffered messages re-sent to replay clients."""
+    replay_abandoned: int
+    """Replies cut short because their client had gone away."""
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for JSON or metrics)."""

@@ -337,7 +337,11 @@ class Subscriber:
                     return out
                 seq = int.from_bytes(seq_b, "big")
                 if start <= seq < until:
+                    if not out and seq != start:
+                        return out  # incomplete from the first frame: no need for the rest
                     out.append((seq, payload))
+                if seq >= until - 1:
+                    return out  # all we need; closing the DEALER ends the reply
         finally:
             dealer.close()
 
