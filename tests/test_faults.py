@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch, PublishOutcome
-from tests.conftest import END, free_port, inproc, starved_sender
+from tests.conftest import END, free_port, inproc, starved_sender, wait_for
 
 
 def batch(i: int) -> KVEventBatch:
@@ -116,8 +116,7 @@ def test_shutdown_twice_and_concurrently_with_publish():
 
     t = threading.Thread(target=engine)
     t.start()
-    while len(outcomes) < 1000:
-        time.sleep(0.001)
+    wait_for(lambda: len(outcomes) >= 1000 or not t.is_alive(), what="the engine publishing")
     closers = [threading.Thread(target=pub.shutdown) for _ in range(2)]
     for c in closers:
         c.start()
@@ -150,6 +149,7 @@ def test_what_was_sent_before_shutdown_is_delivered():
         while not sub.poll(10):  # tcp: wait until it hears (slow joiner)
             pub.publish(batch(i))
             i += 1
+            assert i < 3000, "the subscriber never heard the publisher"
         first = int.from_bytes(sub.recv_multipart()[1], "big")
         big = KVEventBatch(
             0.0,
