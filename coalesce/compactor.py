@@ -102,12 +102,8 @@ def event_kind(event: object) -> int:
     msgspec tag and required field names, so any struct shaped like vLLM's
     events qualifies; anything else is ``OPAQUE``.
     """
-    cls = type(event)
-    kind = _kind_cache.get(cls)
-    if kind is None:
-        kind = _classify(cls)
-        _kind_cache[cls] = kind
-    return kind
+    kind = _kind_cache.get(type(event))  # the hot path: one dict lookup
+    return event_kind_of_class(type(event)) if kind is None else kind
 
 
 def is_kv_batch(batch: Any) -> bool:

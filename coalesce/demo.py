@@ -152,7 +152,6 @@ def _engine_main(
     wall = time.perf_counter() - start
     progress.value = cfg.steps
     dropped = int(getattr(pub, "dropped", 0))
-    replayed = 0
     if hasattr(pub, "flush"):
         pub.flush(60)
         dropped = pub.stats().batches_dropped
@@ -179,8 +178,7 @@ def _engine_main(
     # Keep the PUB socket open until the subscriber has read everything: a publisher
     # that exits drops what is still queued for a slow reader, and no gap shows it.
     release.wait(300)
-    if hasattr(pub, "stats"):
-        replayed = pub.stats().replay_messages
+    replayed = pub.stats().replay_messages if hasattr(pub, "stats") else 0
     out.put({"rank": rank, "replayed": replayed})
     pub.shutdown()
 

@@ -87,6 +87,44 @@ class _RateLimited:
         log.log(level, msg, *args)
 
 
+class _Totals:
+    """The sender's counters (written by the sender thread only; read by stats())."""
+
+    __slots__ = (
+        "abandoned_batches",
+        "abandoned_events",
+        "bytes",
+        "cancelled",
+        "events",
+        "fold_only_passes",
+        "folded",
+        "merged",
+        "messages",
+        "moved",
+        "passes",
+        "superseded",
+    )
+
+    def __init__(self) -> None:
+        self.messages = self.events = self.bytes = 0
+        self.passes = self.fold_only_passes = self.folded = self.merged = 0
+        self.cancelled = self.superseded = self.moved = 0
+        self.abandoned_batches = self.abandoned_events = 0
+
+    def add_pass(self, report: Any, fold_only: bool) -> None:
+        self.passes += 1
+        self.fold_only_passes += fold_only
+        self.folded += report.folded
+        self.merged += report.merged
+        self.cancelled += report.cancelled
+        self.superseded += report.superseded
+        self.moved += report.moved
+
+    def add_abandoned(self, batches: int, events: int) -> None:
+        self.abandoned_batches += batches
+        self.abandoned_events += events
+
+
 class CoalescingPublisher:
     """Publish ``EventBatch`` structs over ZeroMQ without ever blocking the caller.
 
@@ -185,15 +223,12 @@ class CoalescingPublisher:
         # sender-owned state
         self._seq = 0
         self._skip_pending = False
-        self._sent = [0, 0, 0]  # messages, events, bytes
+        self._totals = _Totals()
         self._encode_failures = 0
         self._seq_gaps = 0
-        # passes, folded, merged, cancelled, superseded, moved, fold-only passes
-        self._compaction = [0] * 7
         self._level = 0  # 0: 1:1, 1: every rule, 2: fold only
         self._escalated = False  # this pressure episode is fold-only
         self._last_yield = 0.0
-        self._abandoned = [0, 0]  # batches, events given up at shutdown
         self._done = 0  # input batches the sender has finished with (sent or lost)
 
         # shared flags (each written by one side)
@@ -280,26 +315,24 @@ class CoalescingPublisher:
 
     def stats(self) -> PublisherStats:
         """A frozen snapshot of the counters.  O(1); safe from any thread."""
-        b, (msgs, evs, nbytes) = self._backlog, self._sent
-        passes, folded, merged, cancelled, superseded, moved, fold_only = self._compaction
-        r = self._replay
+        b, t, r = self._backlog, self._totals, self._replay
         return PublisherStats(
             batches_in=b.batches_in,
             events_in=b.events_in,
-            batches_dropped=b.batches_dropped + self._abandoned[0],
-            events_dropped=b.events_dropped + self._abandoned[1],
+            batches_dropped=b.batches_dropped + t.abandoned_batches,
+            events_dropped=b.events_dropped + t.abandoned_events,
             encode_failures=self._encode_failures,
             seq_gaps=self._seq_gaps,
-            messages_sent=msgs,
-            events_sent=evs,
-            bytes_sent=nbytes,
-            batches_folded=folded,
-            events_merged=merged,
-            blocks_cancelled=cancelled,
-            events_superseded=superseded,
-            blocks_moved=moved,
-            compaction_passes=passes,
-            fold_only_passes=fold_only,
+            messages_sent=t.messages,
+            events_sent=t.events,
+            bytes_sent=t.bytes,
+            batches_folded=t.folded,
+            events_merged=t.merged,
+            blocks_cancelled=t.cancelled,
+            events_superseded=t.superseded,
+            blocks_moved=t.moved,
+            compaction_passes=t.passes,
+            fold_only_passes=t.fold_only_passes,
             backlog_batches=b.pending,
             backlog_peak=b.peak,
             replay_requests=0 if r is None else r.requests,
@@ -359,8 +392,7 @@ class CoalescingPublisher:
         # A publish() that passed its closed check while the sender was exiting.
         batches, events = self._backlog.drain()
         if batches:
-            self._abandoned[0] += batches
-            self._abandoned[1] += events
+            self._totals.add_abandoned(batches, events)
             log.warning("kv-coalesce: %d batches published during shutdown were not sent", batches)
 
     def __enter__(self) -> CoalescingPublisher:
@@ -418,11 +450,10 @@ class CoalescingPublisher:
         a time; a single batch larger than that is never run through the
         rules, only sent (one encode: the longest GIL hold).  If a pass of
         the rules (~2 us/event, against ~0.1 us/event to encode and send)
-        loses ground, i.e. more events are pending after
-        it than before, or more than ``fold_only_events`` are pending: fold
-        only, in 4x larger windows, which drains at encoding speed, until the
-        backlog is back under the watermark.  Past the budget, ``publish()``
-        drops.
+        loses ground (more events pending after it than before), or more
+        than ``fold_only_events`` are pending: fold only, in 4x larger
+        windows, which drains at encoding speed, until the backlog is back
+        under the watermark.  Past the budget, ``publish()`` drops.
         """
         backlog, settings = self._backlog, self.settings
         waiting, events_before = backlog.pending, backlog.pending_events
@@ -443,31 +474,20 @@ class CoalescingPublisher:
                     "compacting" if level == 1 else "escalating to fold-only",
                 )
             self._level = level
-        if level == 0:
-            item = backlog.take_one()
-            if item is LOSS:
-                self._skip_pending = True
-                return
-            self._send_one(item)
-            self._done += 1
-            return
         step = settings.max_events_per_step * (4 if level == 2 else 1)
-        window = backlog.take(step)
+        window = backlog.take_one() if level == 0 else backlog.take(step)
         if window is LOSS:
             self._skip_pending = True
+            return
+        if level == 0:
+            self._send_one(window)
+            self._done += 1
             return
         assert isinstance(window, list)
         if level == 1 and len(window) == 1 and len(window[0].events) > step:
             level = 2  # one oversized batch: the rules on it alone would hold the GIL for long
         out, rep = compact(window, move_events=settings.move_events, fold_only=level == 2)
-        c = self._compaction
-        c[0] += 1
-        c[1] += rep.folded
-        c[2] += rep.merged
-        c[3] += rep.cancelled
-        c[4] += rep.superseded
-        c[5] += rep.moved
-        c[6] += level == 2
+        self._totals.add_pass(rep, fold_only=level == 2)
         self._send_all(out, window)
         self._done += len(window)
         if level == 1 and backlog.pending_events >= events_before:
@@ -520,15 +540,14 @@ class CoalescingPublisher:
         self._seq += 1
         send_message(self._pub, self._topic, seq, payload)
         self._buffer.append(seq, payload)
-        s = self._sent
-        s[0] += 1
-        s[1] += len(events)
-        s[2] += len(payload)
+        t = self._totals
+        t.messages += 1
+        t.events += len(events)
+        t.bytes += len(payload)
 
     def _abandon(self) -> None:
         batches, events = self._backlog.drain()
-        self._abandoned[0] += batches
-        self._abandoned[1] += events
+        self._totals.add_abandoned(batches, events)
         self._done += batches
         self._skip_pending = True
         log.warning(
