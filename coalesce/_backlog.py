@@ -5,6 +5,10 @@ from the other end.  Both are atomic under the GIL, so neither side ever waits
 for the other and no lock exists.  Each counter is written by one thread only
 and merely read by the other.
 
+Each batch is queued with the event count ``publish()`` saw, so the
+accounting never reads a batch again: a caller that mutates a batch after
+publishing it cannot make the sender's counters (or the sender) fail.
+
 Loss is recorded in order: when ``offer()`` refuses a batch it remembers it,
 and the next batch it accepts is preceded by a ``LOSS`` marker, so the sender
 skips a sequence number exactly where the loss happened.
@@ -33,10 +37,12 @@ class Backlog:
     """Bounded by the caller's budget, not by blocking.
 
     Engine thread: :meth:`offer`.  Sender thread: :meth:`mark_pending_loss` (at shutdown),
-    :meth:`take_one`, :meth:`take`.  Any thread: the read-only properties.
+    :meth:`take_one`, :meth:`take`, :meth:`refuse_all`.  Any thread: the read-only
+    properties.
     """
 
     def __init__(self, max_batches: int, max_events: int) -> None:
+        # items: (batch, n_events) or LOSS
         self._q: deque[Any] = deque()
         self.max_batches = max_batches
         self.max_events = max_events
@@ -72,7 +78,7 @@ class Backlog:
         if self._unmarked_loss:
             self._unmarked_loss = False
             q.append(LOSS)
-        q.append(batch)
+        q.append((batch, n_events))
         self.batches_in += 1
         self.events_in += n_events
         n = self.batches_in - self.batches_out
@@ -80,21 +86,25 @@ class Backlog:
             self.peak = n
         return True
 
+    # -- sender thread -------------------------------------------------------
+
     def mark_pending_loss(self) -> None:
         """Put the marker for refused batches in now (no later batch will)."""
         if self._unmarked_loss:
             self._unmarked_loss = False
             self._q.append(LOSS)
 
-    # -- sender thread -------------------------------------------------------
+    def refuse_all(self) -> None:
+        """From now on :meth:`offer` refuses every batch (the sender has stopped for good)."""
+        self.max_batches = 0
 
-    def take_one(self) -> Any:
-        """Pop the oldest item: a batch or ``LOSS``.  O(1).  The backlog must not be empty."""
+    def take_one(self) -> tuple[Any, int] | _Loss:
+        """Pop the oldest item: ``(batch, events)`` or ``LOSS``.  O(1).  Must not be empty."""
         item = self._q.popleft()
         if item is not LOSS:
             self.batches_out += 1
-            self.events_out += len(item.events)
-        return item
+            self.events_out += item[1]
+        return item  # type: ignore[no-any-return]
 
     def take(self, max_events: int) -> list[Any] | _Loss:
         """Pop batches holding up to ``max_events`` events (at least one batch).
@@ -108,14 +118,26 @@ class Backlog:
         out: list[Any] = []
         events = 0
         while q and q[0] is not LOSS:
-            n = len(q[0].events)
+            n = q[0][1]
             if out and events + n > max_events:
                 break
-            out.append(q.popleft())
+            out.append(q.popleft()[0])
             events += n
         self.batches_out += len(out)
         self.events_out += events
         return out
+
+    def drain(self) -> tuple[int, int]:
+        """Discard what is left (shutdown past its deadline); return (batches, events)."""
+        batches = events = 0
+        while self._q:
+            item = self._q.popleft()
+            if item is not LOSS:
+                batches += 1
+                events += item[1]
+        self.batches_out += batches
+        self.events_out += events
+        return batches, events
 
     # -- any thread ----------------------------------------------------------
 
@@ -135,22 +157,11 @@ class Backlog:
 
     def check(self) -> None:
         """Assert the invariants (tests call it after every mutation).  O(items)."""
-        batches = [x for x in self._q if x is not LOSS]
-        assert len(batches) == self.pending >= 0, "counters match the queue"
-        assert sum(len(b.events) for b in batches) == self.pending_events >= 0
-        assert self.pending <= self.max_batches, "the batch budget holds"
+        items = [x for x in self._q if x is not LOSS]
+        assert len(items) == self.pending >= 0, "counters match the queue"
+        assert sum(n for _, n in items) == self.pending_events >= 0
+        # refuse_all() sets the batch budget to 0 with batches still queued
+        assert self.pending <= self.max_batches or self.max_batches == 0, "the batch budget"
         assert self.pending_events <= self.max_events, "the event budget holds"
         assert self.peak >= self.pending
         # Adjacent markers are allowed: the sender turns a run of them into one gap.
-
-    def drain(self) -> tuple[int, int]:
-        """Discard what is left (shutdown past its deadline); return (batches, events)."""
-        batches = events = 0
-        while self._q:
-            item = self._q.popleft()
-            if item is not LOSS:
-                batches += 1
-                events += len(item.events)
-        self.batches_out += batches
-        self.events_out += events
-        return batches, events

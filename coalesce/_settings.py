@@ -3,23 +3,28 @@
 vLLM's ``KVEventsConfig`` forbids extra keys, so every extra knob can also
 come from a ``COALESCE_*`` environment variable.  Precedence: an explicit
 keyword argument, then the environment variable, then the default.
+
+Each knob is declared once, as a field of :class:`Settings` (name, type,
+default, parser in its metadata, docstring); the constructor keyword, the
+variable name and the docs table are derived from it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-__all__ = ["PublisherConfig", "Settings", "is_bind_endpoint", "offset_endpoint"]
-
-T = TypeVar("T")
+__all__ = ["PublisherConfig", "Settings", "is_bind_endpoint", "offset_endpoint", "parse_flag"]
 
 
 @dataclass(frozen=True, slots=True)
 class PublisherConfig:
-    """vLLM's publisher fields, with endpoints resolved for this DP rank."""
+    """vLLM's publisher fields, with endpoints resolved for this DP rank.
+
+    Its defaults are vLLM 0.33's, and the publisher's constructor takes them from here.
+    """
 
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
@@ -27,51 +32,6 @@ class PublisherConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """This project's knobs.  Each has a ``COALESCE_<NAME>`` environment variable."""
-
-    high_watermark: int = 8
-    """Batches waiting before the sender compacts instead of sending 1:1."""
-    compaction: bool = True
-    """Fold and compact under backpressure; off: always 1:1 (still never blocks)."""
-    move_events: bool = False
-    """Emit the opt-in ``BlockMoved`` event (only for subscribers that know it)."""
-    max_pending_events: int = 1_000_000
-    """Memory budget: events published but not yet sent, beyond which publish() drops."""
-    max_events_per_step: int = 512
-    """Events one compaction step takes (bounds each GIL hold of the sender)."""
-    fold_only_events: int = 2048
-    """Pending events beyond which the sender only folds (the rules cost ~2 us/event);
-    it also folds only once a pass of the rules has lost ground."""
-    shutdown_timeout: float = 1.0
-    """Seconds shutdown() spends flushing before it abandons what is left."""
-
-    @classmethod
-    def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> Settings:
-        """Build settings from explicit values, then ``COALESCE_*`` variables, then defaults.
-
-        Raises ``ValueError`` naming the variable or keyword for a bad value.
-        """
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            parse = _PARSERS[f.name]
-            if explicit.get(f.name) is not None:
-                raw: Any = explicit[f.name]
-                where = f"keyword {f.name}"
-            else:
-                var = "COALESCE_" + f.name.upper()
-                if var not in env:
-                    continue
-                raw, where = env[var], f"environment variable {var}"
-            try:
-                values[f.name] = parse(raw)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"invalid {where}={raw!r}: {exc}") from None
-        return cls(**values)
 
 
 def _positive_int(raw: Any) -> int:
@@ -83,7 +43,8 @@ def _positive_int(raw: Any) -> int:
     return value
 
 
-def _flag(raw: Any) -> bool:
+def parse_flag(raw: Any) -> bool:
+    """A boolean from a keyword or an environment variable (1/0, true/false, yes/no, on/off)."""
     if isinstance(raw, bool):
         return raw
     text = str(raw).strip().lower()
@@ -101,15 +62,74 @@ def _seconds(raw: Any) -> float:
     return value
 
 
-_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "high_watermark": _positive_int,
-    "compaction": _flag,
-    "move_events": _flag,
-    "max_pending_events": _positive_int,
-    "max_events_per_step": _positive_int,
-    "fold_only_events": _positive_int,
-    "shutdown_timeout": _seconds,
-}
+def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
+    return field(default=default, metadata={"parse": parse})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """This project's knobs.  Each has a ``COALESCE_<NAME>`` environment variable."""
+
+    high_watermark: int = _knob(8, _positive_int)
+    """Batches waiting before the sender compacts instead of sending 1:1."""
+    compaction: bool = _knob(True, parse_flag)
+    """Fold and compact under backpressure; off: always 1:1 (still never blocks)."""
+    move_events: bool = _knob(False, parse_flag)
+    """Emit the opt-in ``BlockMoved`` event (only for subscribers that know it)."""
+    max_pending_events: int = _knob(1_000_000, _positive_int)
+    """Memory budget: events published but not yet sent, beyond which publish() drops."""
+    max_events_per_step: int = _knob(512, _positive_int)
+    """Events one compaction step takes (bounds each GIL hold of the sender)."""
+    fold_only_events: int = _knob(2048, _positive_int)
+    """Pending events beyond which the sender only folds; it also folds only once a
+    pass of the rules has lost ground."""
+    shutdown_timeout: float = _knob(1.0, _seconds)
+    """Seconds shutdown() spends flushing before it abandons what is left."""
+    replay_window: int = _knob(256, _positive_int)
+    """Replay messages ZeroMQ may queue for one client (the ROUTER's send HWM);
+    a client that does not read makes its reply wait, then be abandoned."""
+    replay_max_clients: int = _knob(32, _positive_int)
+    """Open replay connections beyond which requests are refused (counted)."""
+    replay_max_active: int = _knob(8, _positive_int)
+    """Replies sent at once (round-robin); later requests wait their turn."""
+
+    @classmethod
+    def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> Settings:
+        """Build settings from explicit values, then ``COALESCE_*`` variables, then defaults.
+
+        Raises ``ValueError`` naming the variable or keyword for a bad value,
+        and ``TypeError`` for a keyword that is not a knob.
+        """
+        env = os.environ if env is None else env
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(explicit) - set(known)
+        if unknown:
+            raise TypeError(f"unknown settings: {sorted(unknown)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if explicit.get(name) is not None:
+                raw: Any = explicit[name]
+                where = f"keyword {name}"
+            else:
+                var = env_name(name)
+                if var not in env:
+                    continue
+                raw, where = env[var], f"environment variable {var}"
+            try:
+                values[name] = f.metadata["parse"](raw)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"invalid {where}={raw!r}: {exc}") from None
+        return cls(**values)
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """The knobs' names (the publisher's extra keywords)."""
+        return frozenset(f.name for f in fields(cls))
+
+
+def env_name(knob: str) -> str:
+    """The environment variable of a knob: ``COALESCE_<NAME>``."""
+    return "COALESCE_" + knob.upper()
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -2,8 +2,8 @@
 
 Every :class:`~coalesce.stats.PublisherStats` field is exposed, read at scrape
 time (no work on the publish path): counters as ``kv_coalesce_<name>_total``,
-byte counts with the ``_bytes`` unit, the backlog as gauges, all labelled with
-``data_parallel_rank``.
+byte counts with the ``_bytes`` unit, levels as gauges, all labelled with
+``data_parallel_rank``, each described by the field's own doc.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from coalesce.stats import PublisherStats, field_docs
+from coalesce.stats import PublisherStats, field_docs, gauge_names
 
 __all__ = ["StatsCollector", "metric_names", "serve_metrics"]
-
-_GAUGES = {"backlog_batches", "backlog_peak"}
 
 
 def metric_names() -> dict[str, str]:
@@ -35,21 +33,23 @@ class StatsCollector:
 
     def __init__(self, publisher: Any, rank: int | None = None) -> None:
         self._publisher = publisher
-        self._rank = str(publisher._rank if rank is None else rank)
+        self._rank = str(publisher.data_parallel_rank if rank is None else rank)
+        self._names = metric_names()
+        self._docs = field_docs()
+        self._gauges = gauge_names()
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         stats = self._publisher.stats()
         for f in fields(PublisherStats):
-            doc = field_docs().get(f.name, f.name.replace("_", " "))
-            name = metric_names()[f.name]
+            name, doc = self._names[f.name], self._docs[f.name]
             family: Any
-            if f.name in _GAUGES:
+            if f.name in self._gauges:
                 family = GaugeMetricFamily(name, doc, labels=["data_parallel_rank"])
             else:
                 family = CounterMetricFamily(name, doc, labels=["data_parallel_rank"])
-            family.add_metric([self._rank], getattr(stats, f.name))
+            family.add_metric([self._rank], float(getattr(stats, f.name)))
             yield family
 
 

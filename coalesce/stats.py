@@ -2,91 +2,85 @@
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["PublisherStats", "field_docs"]
+__all__ = ["PublisherStats", "field_docs", "gauge_names"]
+
+
+def _counter(doc: str) -> Any:
+    return field(metadata={"doc": doc, "kind": "counter"})
+
+
+def _gauge(doc: str) -> Any:
+    return field(metadata={"doc": doc, "kind": "gauge"})
 
 
 @dataclass(frozen=True, slots=True)
 class PublisherStats:
     """Counters since construction; ``backlog_*`` are batches waiting for the sender.
 
-    Counts are of batches, events and bytes, which cost nothing to keep.
-    Block hashes are not counted on the way in or out: an exact count costs
-    about 70 ns per event on the sender, as much as encoding it.
+    Counts are of batches, events and bytes, which cost nothing to keep; block
+    hashes are not counted on the way in or out (docs/benchmarks.md has the cost).
 
     Every loss is counted in ``batches_dropped`` (refused by ``publish()``
-    over budget, or abandoned by ``shutdown()``) or ``encode_failures``, and
-    each loss episode is one skipped sequence number (``seq_gaps``).
+    over budget or after the sender failed, or abandoned by ``shutdown()``)
+    or ``encode_failures``, and each loss episode is one skipped sequence
+    number (``seq_gaps``).  Each field's description is in its metadata
+    (:func:`field_docs`), and the Prometheus collector uses it.
     """
 
-    batches_in: int
-    """Batches ``publish()`` accepted."""
-    events_in: int
-    """Events in those batches."""
-    batches_dropped: int
-    """Batches lost: refused over budget by ``publish()`` or abandoned at shutdown."""
-    events_dropped: int
-    """Events in those batches."""
-    encode_failures: int
-    """Batches the encoder rejected (lost, and visible as a gap)."""
-    seq_gaps: int
-    """Sequence numbers skipped to make losses visible on the wire."""
-    messages_sent: int
-    """ZMQ messages (batches) sent on the PUB socket."""
-    events_sent: int
-    """Events in those messages."""
-    bytes_sent: int
-    """Payload bytes sent (the third frame only)."""
-    batches_folded: int
-    """Input batches folded into another batch."""
-    events_merged: int
-    """Events that disappeared by being merged into a neighbour."""
-    blocks_cancelled: int
-    """Store/remove pairs that cancelled (block hashes)."""
-    events_superseded: int
-    """Events made irrelevant by a later ``AllBlocksCleared``."""
-    blocks_moved: int
-    """Block hashes sent inside opt-in ``BlockMoved`` events."""
-    compaction_passes: int
-    """Compaction steps run by the sender (every rule, or fold only)."""
-    fold_only_passes: int
-    """Of those, steps that only folded because the backlog outran the rules."""
-    backlog_batches: int
-    """Batches waiting for the sender right now."""
-    backlog_peak: int
-    """The largest ``backlog_batches`` seen by ``publish()``."""
-    replay_requests: int
-    """Well-formed replay requests answered."""
-    replay_invalid: int
-    """Replay requests ignored (wrong frame count or seq length)."""
-    replay_messages: int
-    """Buffered messages re-sent to replay clients."""
-    replay_abandoned: int
-    """Replies cut short because their client had gone away."""
+    batches_in: int = _counter("Batches publish() accepted.")
+    events_in: int = _counter("Events in those batches.")
+    batches_dropped: int = _counter(
+        "Batches lost: refused by publish() (over budget, or after the sender failed) "
+        "or abandoned at shutdown."
+    )
+    events_dropped: int = _counter("Events in those batches.")
+    encode_failures: int = _counter("Batches the encoder rejected (lost, visible as a gap).")
+    compaction_failures: int = _counter(
+        "Windows the compactor could not handle (sent batch by batch, uncompacted)."
+    )
+    seq_gaps: int = _counter("Sequence numbers skipped to make losses visible on the wire.")
+    messages_sent: int = _counter("ZMQ messages (batches) sent on the PUB socket.")
+    events_sent: int = _counter("Events in those messages.")
+    bytes_sent: int = _counter("Payload bytes sent (the third frame only).")
+    batches_folded: int = _counter("Input batches folded into another batch.")
+    events_merged: int = _counter("Events that disappeared by being merged into a neighbour.")
+    blocks_cancelled: int = _counter("Store/remove pairs that cancelled (block hashes).")
+    events_superseded: int = _counter("Events made irrelevant by a later AllBlocksCleared.")
+    blocks_moved: int = _counter("Block hashes sent inside opt-in BlockMoved events.")
+    compaction_passes: int = _counter(
+        "Compaction steps whose result was sent (every rule, or fold only)."
+    )
+    fold_only_passes: int = _counter(
+        "Of those, steps that only folded because the backlog outran the rules."
+    )
+    backlog_batches: int = _gauge("Batches waiting for the sender right now.")
+    backlog_peak: int = _gauge("The largest backlog_batches seen by publish().")
+    sender_alive: bool = _gauge(
+        "1 while the sender thread runs; 0 after shutdown() or after it failed."
+    )
+    replay_requests: int = _counter("Well-formed replay requests accepted.")
+    replay_invalid: int = _counter("Replay requests ignored (wrong frame count or seq length).")
+    replay_refused: int = _counter(
+        "Replay requests refused (too many replay connections or waiting requests)."
+    )
+    replay_messages: int = _counter("Buffered messages re-sent to replay clients.")
+    replay_abandoned: int = _counter(
+        "Replies cut short: their client had gone, or stopped reading for too long."
+    )
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for JSON or metrics)."""
         return asdict(self)
 
 
-@functools.cache
 def field_docs() -> dict[str, str]:
-    """Each ``PublisherStats`` field's docstring, read from this module's source once."""
-    tree = ast.parse(inspect.getsource(PublisherStats))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-        ):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+    """Each ``PublisherStats`` field's description.  O(fields)."""
+    return {f.name: f.metadata["doc"] for f in fields(PublisherStats)}
+
+
+def gauge_names() -> frozenset[str]:
+    """The fields that are levels (gauges), not monotonic counters."""
+    return frozenset(f.name for f in fields(PublisherStats) if f.metadata["kind"] == "gauge")

@@ -28,7 +28,17 @@ _metrics_started: set[int] = set()
 
 
 def _enabled() -> bool:
-    return os.environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+    from coalesce._settings import parse_flag
+
+    try:
+        return parse_flag(os.environ.get(ENV_ENABLE, ""))
+    except ValueError:
+        log.warning(
+            "kv-coalesce: %s=%r is not a flag (1/0); plugin left off",
+            ENV_ENABLE,
+            os.environ.get(ENV_ENABLE),
+        )
+        return False
 
 
 def create_publisher(**kwargs: Any) -> Any:

@@ -23,7 +23,11 @@ def test_seeded_stress_keeps_invariants_and_order(seed):
             accepted += b.offer(batch, len(batch.events))
             offered += 1
         elif len(b) and op < 0.8:
-            seen.append(b.take_one())
+            item = b.take_one()
+            if item is not LOSS:
+                assert isinstance(item, tuple) and item[1] == len(item[0].events)
+                item = item[0]
+            seen.append(item)
         elif len(b) and op < 0.97:
             got = b.take(rng.randint(1, 40))
             seen.extend([got] if got is LOSS else got)
@@ -42,7 +46,27 @@ def test_a_loss_is_marked_exactly_where_it_happened():
     first, second, third = (KVEventBatch(float(i), []) for i in range(3))
     assert b.offer(first, 0)
     assert not b.offer(second, 0)  # over budget
-    assert b.take_one() is first
+    assert b.take_one() == (first, 0)
     assert b.offer(third, 0)
-    assert b.take_one() is LOSS and b.take_one() is third
+    assert b.take_one() is LOSS and b.take_one() == (third, 0)
+    b.check()
+
+
+def test_counts_survive_a_batch_mutated_after_it_was_offered():
+    b = Backlog(max_batches=10, max_events=100)
+    batch = KVEventBatch(0.0, [None] * 5)
+    assert b.offer(batch, 5)
+    batch.events = None  # type: ignore[assignment]  # a careless caller
+    assert b.pending_events == 5
+    assert b.take(100) == [batch]
+    assert b.pending_events == 0 and b.pending == 0
+    b.check()
+
+
+def test_refuse_all_refuses_every_later_batch():
+    b = Backlog(max_batches=10, max_events=100)
+    assert b.offer(KVEventBatch(0.0, []), 0)
+    b.refuse_all()
+    assert not b.offer(KVEventBatch(1.0, [None]), 1)
+    assert (b.batches_dropped, b.events_dropped, b.pending) == (1, 1, 1)
     b.check()

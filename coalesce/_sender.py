@@ -1,0 +1,415 @@
+"""The sender thread: backlog -> compact -> encode -> send -> replay buffer.
+
+:class:`Sender` owns the sockets, the sequence counter, the ladder level and
+its counters; the publisher facade only reads them (``stats()``) and sets
+:attr:`Sender.closed`.  The thread holds no reference to the facade, so a
+publisher dropped without ``shutdown()`` can be collected, and its finaliser
+stops the thread.
+
+Nothing a caller can put in a batch stops this thread.  A window the
+compactor rejects (it raises on a value of a type it cannot handle) is sent
+batch by batch as it was given; a batch the encoder rejects is lost visibly
+(a skipped seq).  If the loop itself ever fails, the thread marks itself dead,
+the backlog refuses every later batch (``publish()`` returns ``DROPPED``),
+what was waiting is counted as dropped, and one empty batch after a skipped
+seq tells subscribers that the stream lost data.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from coalesce._backlog import LOSS, Backlog
+from coalesce._replay import ReplayBuffer, ReplayService
+from coalesce._settings import Settings
+from coalesce._wire import Encoder, send_message
+from coalesce.compactor import compact
+
+__all__ = ["Level", "Sender"]
+
+log = logging.getLogger("coalesce")
+
+IDLE_POLL = 0.005
+"""Seconds an idle sender sleeps before looking again.  ``publish()`` wakes it only
+under load (past ``high_watermark`` batches or ``max_events_per_step`` events),
+because each wake-up is a GIL acquisition taken from the engine; so a lone small
+batch may wait up to this long (CPython's own switch interval) before it is sent."""
+
+YIELD_EVERY = 0.0005
+"""Seconds of continuous sender work after which it hands the GIL to the engine.
+Yielding after every step makes each step a GIL handoff (two context switches);
+never yielding lets the engine wait for CPython's 5 ms switch interval."""
+
+
+class Level(enum.IntEnum):
+    """The ladder: what the sender does with the backlog (docs/backpressure.md)."""
+
+    ONE_TO_ONE = 0
+    """Each batch sent as it is: byte-identical to vLLM."""
+    RULES = 1
+    """Windows folded and run through every compaction rule."""
+    FOLD_ONLY = 2
+    """Windows (4x larger) only folded: drains at encoding speed."""
+
+
+class RateLimited:
+    """Log at most one line per ``period`` seconds per key, counting the rest."""
+
+    def __init__(self, period: float = 10.0) -> None:
+        self._period = period
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, key, msg, *args)
+
+    def log(self, level: int, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self._period) < self._period:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        n = self._suppressed.pop(key, 0)
+        if n:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, n)
+        log.log(level, msg, *args)
+
+
+class Totals:
+    """The sender's counters: written by the sender thread only, read by ``stats()``."""
+
+    __slots__ = (
+        "abandoned_batches",
+        "abandoned_events",
+        "bytes",
+        "cancelled",
+        "compaction_failures",
+        "encode_failures",
+        "events",
+        "fold_only_passes",
+        "folded",
+        "merged",
+        "messages",
+        "moved",
+        "passes",
+        "seq_gaps",
+        "superseded",
+    )
+
+    def __init__(self) -> None:
+        self.messages = self.events = self.bytes = 0
+        self.passes = self.fold_only_passes = self.folded = self.merged = 0
+        self.cancelled = self.superseded = self.moved = 0
+        self.abandoned_batches = self.abandoned_events = 0
+        self.encode_failures = self.compaction_failures = self.seq_gaps = 0
+
+    def add_pass(self, report: Any, fold_only: bool) -> None:
+        self.passes += 1
+        self.fold_only_passes += fold_only
+        self.folded += report.folded
+        self.merged += report.merged
+        self.cancelled += report.cancelled
+        self.superseded += report.superseded
+        self.moved += report.moved
+
+
+class Sender:
+    """The sender thread and everything it owns.  See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        pub: zmq.Socket[bytes],
+        router: zmq.Socket[bytes] | None,
+        topic: bytes,
+        rank: int,
+        backlog: Backlog,
+        buffer: ReplayBuffer,
+        settings: Settings,
+    ) -> None:
+        self._pub = pub
+        self._router = router
+        self._topic = topic
+        self._rank = rank
+        self._backlog = backlog
+        self._buffer = buffer
+        self._settings = settings
+        self.replay = (
+            None
+            if router is None
+            else ReplayService(
+                router,
+                buffer,
+                topic,
+                max_active=settings.replay_max_active,
+                max_clients=settings.replay_max_clients,
+            )
+        )
+        self._encoder = Encoder()
+        self.limited = RateLimited()
+        self.totals = Totals()
+        self._seq = 0
+        self._skip_pending = False
+        self._level = Level.ONE_TO_ONE
+        self._escalated = False  # this pressure episode is fold-only
+        self._last_yield = 0.0
+
+        # shared with the facade
+        self.done = 0
+        """Input batches the sender has finished with (sent or counted lost)."""
+        self.alive = True
+        """False once the thread has stopped (after shutdown, or after a failure)."""
+        self.failed = False
+        """True if the thread stopped because of an error, not ``shutdown()``."""
+        self.closed = False
+        """Set by the facade: flush for ``shutdown_timeout``, then stop."""
+        self.idle = False
+        """The thread is (about to be) asleep; ``publish()`` may wake it."""
+        self.wake_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="coalesce-sender", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the thread to flush and stop; returns at once.  Safe from any thread."""
+        self.closed = True
+        self.wake_event.set()
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug, or a broken socket: never a silent stop
+            self._die(exc)
+        finally:
+            self.alive = False
+            if self.replay is not None:
+                self.replay.close()
+            # What was sent must still reach subscribers: a linger, not 0 (which would
+            # discard queued messages: a loss with no gap).  close() does not wait for
+            # it; ZeroMQ's I/O thread delivers in the background.
+            self._pub.close(linger=int(self._settings.shutdown_timeout * 1000))
+            if self._router is not None:
+                self._router.close(linger=0)
+
+    def _loop(self) -> None:
+        backlog, replay = self._backlog, self.replay
+        deadline: float | None = None
+        while True:
+            did = replay.step(self._replay_budget()) if replay is not None else False
+            if self.closed and deadline is None:
+                deadline = time.monotonic() + self._settings.shutdown_timeout
+            if len(backlog):
+                if deadline is not None and time.monotonic() > deadline:
+                    self._abandon("shutdown timeout")
+                    break
+                self._step(flushing=deadline is not None)
+                did = True
+            elif self.closed:
+                backlog.mark_pending_loss()
+                if not len(backlog):
+                    break
+            if did:
+                self._maybe_yield()
+                continue
+            self.idle = True
+            if len(backlog) or self.closed:
+                self.idle = False
+                continue
+            self.wake_event.wait(IDLE_POLL)
+            self.wake_event.clear()
+            self.idle = False
+        self._finish_loss()
+
+    def _replay_budget(self) -> int:
+        """Replay messages this step may send: fewer while the live stream is behind."""
+        assert self.replay is not None
+        chunk = self.replay.chunk
+        return chunk if self._backlog.pending <= self._settings.high_watermark else chunk // 8
+
+    def _step(self, flushing: bool) -> None:
+        """One bounded unit of work: a 1:1 send, or one compaction window.
+
+        The ladder: backlog at most ``high_watermark`` batches: send 1:1.
+        Above it: fold and apply every rule, ``max_events_per_step`` events at
+        a time; a single batch larger than that is never run through the
+        rules, only sent (one encode: the longest GIL hold).  If a pass of
+        the rules loses ground (more events pending after it than before), or
+        more than ``fold_only_events`` are pending: fold only, in 4x larger
+        windows, which drains at encoding speed, until the backlog is back
+        under the watermark.  Past the budget, ``publish()`` drops.
+        """
+        backlog, settings = self._backlog, self._settings
+        waiting, events_before = backlog.pending, backlog.pending_events
+        level = Level.ONE_TO_ONE
+        if settings.compaction and (flushing or waiting > settings.high_watermark):
+            escalate = flushing or self._escalated or events_before > settings.fold_only_events
+            level = Level.FOLD_ONLY if escalate else Level.RULES
+        else:
+            self._escalated = False
+        if level != self._level:
+            if level > self._level and not flushing:
+                self.limited.log(
+                    logging.INFO,
+                    f"level{int(level)}",
+                    "kv-coalesce: sender behind (%d batches, %d events waiting): %s",
+                    waiting,
+                    events_before,
+                    "compacting" if level == Level.RULES else "escalating to fold-only",
+                )
+            self._level = level
+        if level == Level.ONE_TO_ONE:
+            item = backlog.take_one()
+            if item is LOSS:
+                self._skip_pending = True
+                return
+            assert isinstance(item, tuple)
+            self._send_one(item[0], item[1])
+            self.done += 1
+            return
+        step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
+        window = backlog.take(step)
+        if window is LOSS:
+            self._skip_pending = True
+            return
+        assert isinstance(window, list)
+        if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
+            level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
+        try:
+            out, rep = compact(
+                window, move_events=settings.move_events, fold_only=level == Level.FOLD_ONLY
+            )
+        except Exception as exc:  # a value the rules cannot handle: send the window as given
+            self._compaction_failed(exc)
+            for b in window:
+                self._send_one(b, _n_events(b))
+        else:
+            if self._send_all(out, window):
+                self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
+        self.done += len(window)
+        if level == Level.RULES and backlog.pending_events >= events_before:
+            self._escalated = True  # the rules cost more than they save: fold only
+
+    def _maybe_yield(self) -> None:
+        """Hand the GIL to the engine if the sender has held it for YIELD_EVERY."""
+        now = time.perf_counter()
+        if now - self._last_yield >= YIELD_EVERY:
+            time.sleep(0)
+            self._last_yield = time.perf_counter()
+
+    # -- encode and send ---------------------------------------------------------
+
+    def _send_all(self, batches: list[Any], originals: list[Any]) -> bool:
+        """Encode every compacted batch first and send them; if one fails to encode,
+        send the originals one by one instead.  Returns True if the compacted ones went."""
+        try:
+            payloads = [self._encoder.encode(b) for b in batches]
+        except Exception:
+            for b in originals:
+                self._send_one(b, _n_events(b))
+            return False
+        for b, payload in zip(batches, payloads, strict=True):
+            self._emit(payload, _n_events(b))
+        return True
+
+    def _send_one(self, batch: Any, n_events: int) -> None:
+        """Encode and send one batch; a batch the encoder rejects is lost, visibly."""
+        try:
+            payload = self._encoder.encode(batch)
+        except Exception as exc:
+            self._encode_failed(exc)
+            return
+        self._emit(payload, n_events)
+
+    def _emit(self, payload: bytes, n_events: int) -> None:
+        t = self.totals
+        if self._skip_pending:
+            self._skip_pending = False
+            self._seq += 1
+            t.seq_gaps += 1
+        seq = self._seq
+        self._seq += 1
+        send_message(self._pub, self._topic, seq, payload)
+        self._buffer.append(seq, payload)
+        t.messages += 1
+        t.events += n_events
+        t.bytes += len(payload)
+
+    # -- losses ------------------------------------------------------------------
+
+    def _encode_failed(self, exc: BaseException) -> None:
+        self.totals.encode_failures += 1
+        self._skip_pending = True
+        self.limited.warning(
+            "encode",
+            "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); "
+            "subscribers will see a sequence gap",
+            type(exc).__name__,
+            exc,
+        )
+
+    def _compaction_failed(self, exc: BaseException) -> None:
+        self.totals.compaction_failures += 1
+        self.limited.warning(
+            "compact",
+            "kv-coalesce: a window could not be compacted (%s: %.200s); "
+            "its batches are sent as they are",
+            type(exc).__name__,
+            exc,
+        )
+
+    def _abandon(self, why: str) -> None:
+        batches, events = self._backlog.drain()
+        self.totals.abandoned_batches += batches
+        self.totals.abandoned_events += events
+        self.done += batches
+        if batches:
+            self._skip_pending = True
+            log.warning(
+                "kv-coalesce: %s: %d batches (%d events) abandoned; "
+                "subscribers will see a sequence gap",
+                why,
+                batches,
+                events,
+            )
+
+    def _finish_loss(self) -> None:
+        """A loss with no message after it is invisible: send one empty batch after the gap."""
+        if self._skip_pending:
+            from coalesce.events import KVEventBatch
+
+            empty = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
+            self._emit(self._encoder.encode(empty), 0)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop failed: refuse all later batches, count what waits, show a gap."""
+        self.failed = True
+        self._backlog.refuse_all()
+        log.error(
+            "kv-coalesce: the sender thread failed; publish() now drops every batch "
+            "(subscribers will see a sequence gap)",
+            exc_info=exc,
+        )
+        try:
+            self._skip_pending = True  # whatever was in flight is lost too
+            self._abandon("sender failed")
+            self._finish_loss()
+        except Exception:  # the socket itself is broken: nothing more can be said on it
+            log.exception("kv-coalesce: could not send the final gap marker")
+
+
+def _n_events(batch: Any) -> int:
+    """Events in a batch as it is now (0 if a caller replaced its list by something else)."""
+    try:
+        return len(batch.events)
+    except Exception:
+        return 0
