@@ -342,8 +342,8 @@ def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
 
     ours = CoalescingPublisher(endpoint=inproc("c"), max_queue_size=2)
     made.append(ours)
-    stall_c = _StalledSocket(ours._pub)
-    ours._pub = stall_c
+    stall_c = _StalledSocket(ours._sender._pub)
+    ours._sender._pub = stall_c
     t = _publish_in_thread(ours, [vbatch(vstore(i)) for i in range(10)])
     t.join(10)
     assert not t.is_alive(), "publish() must never block"
