@@ -47,27 +47,11 @@ from typing import Any
 
 import msgspec
 
+from coalesce._kinds import CLEARED, REMOVED, STORED, event_kind, is_kv_batch
 from coalesce.events import BlockMoved, BlockStored
 
-__all__ = [
-    "CLEARED",
-    "OPAQUE",
-    "REMOVED",
-    "STORED",
-    "CompactionReport",
-    "compact",
-    "event_kind",
-    "event_kind_of_class",
-    "is_kv_batch",
-]
+__all__ = ["CompactionReport", "compact"]
 
-OPAQUE, STORED, REMOVED, CLEARED = 0, 1, 2, 3
-"""Event kinds returned by :func:`event_kind`."""
-
-_STORED_REQUIRED = frozenset(
-    {"block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"}
-)
-_REMOVED_REQUIRED = frozenset({"block_hashes", "medium"})
 # Fields that hold one entry per block, or describe the chain: they are what a
 # chain merge concatenates, so they are not part of the "all other fields equal" test.
 _STORED_PER_BLOCK = frozenset(
@@ -76,51 +60,8 @@ _STORED_PER_BLOCK = frozenset(
 _REMOVED_KNOWN = frozenset({"block_hashes", "medium", "group_idx", "locality", "ownership"})
 _STORED_KNOWN = frozenset(BlockStored.__struct_fields__)
 
-_kind_cache: dict[type, int] = {}
 _attr_getter_cache: dict[tuple[type, frozenset[str]], Callable[[tuple[Any, ...]], Any]] = {}
 _REMOVED_PER_BLOCK = frozenset({"block_hashes"})
-
-
-def _classify(cls: type) -> int:
-    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
-        return OPAQUE
-    tag = cls.__struct_config__.tag
-    fields = frozenset(cls.__struct_fields__)
-    if tag == "BlockStored" and fields >= _STORED_REQUIRED:
-        return STORED
-    if tag == "BlockRemoved" and fields >= _REMOVED_REQUIRED:
-        return REMOVED
-    if tag == "AllBlocksCleared" and not fields:
-        return CLEARED
-    return OPAQUE
-
-
-def event_kind(event: object) -> int:
-    """Return ``STORED``, ``REMOVED``, ``CLEARED`` or ``OPAQUE`` for ``event``.
-
-    O(1) (one dict lookup once the class has been seen).  Recognition is by the
-    msgspec tag and required field names, so any struct shaped like vLLM's
-    events qualifies; anything else is ``OPAQUE``.
-    """
-    kind = _kind_cache.get(type(event))  # the hot path: one dict lookup
-    return event_kind_of_class(type(event)) if kind is None else kind
-
-
-def is_kv_batch(batch: Any) -> bool:
-    """True when every event of ``batch`` is a recognised KV event.
-
-    O(events), in C (one ``set(map(type, ...))``), then O(distinct classes).
-    """
-    return all(event_kind_of_class(cls) != OPAQUE for cls in set(map(type, batch.events)))
-
-
-def event_kind_of_class(cls: type) -> int:
-    """:func:`event_kind` for a class.  O(1) once the class has been seen."""
-    kind = _kind_cache.get(cls)
-    if kind is None:
-        kind = _classify(cls)
-        _kind_cache[cls] = kind
-    return kind
 
 
 def _attr_getter(cls: type, per_block: frozenset[str]) -> Callable[[tuple[Any, ...]], Any]:

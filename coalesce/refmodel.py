@@ -20,6 +20,9 @@ Modes (see ``docs/event-semantics.md``):
 
 Every mode empties on ``AllBlocksCleared`` and applies a ``BlockMoved`` as its
 store in ``to_medium`` followed by its removal from ``from_medium``.
+
+Events are told apart by their msgspec wire tag, read here: this module
+imports nothing from the code it checks.
 """
 
 from __future__ import annotations
@@ -27,9 +30,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Literal
-
-from coalesce.compactor import CLEARED, REMOVED, STORED, event_kind
-from coalesce.events import BlockMoved
 
 __all__ = ["Key", "Mode", "SubscriberModel"]
 
@@ -97,18 +97,18 @@ class SubscriberModel:
                 self.counts[key] = c - 1
 
     def apply_event(self, ev: Any) -> None:
-        """Apply one event; unknown events are ignored."""
-        if isinstance(ev, BlockMoved):
-            self._store(ev, ev.to_medium)
-            self.remove(ev.block_hashes, ev.from_medium, ev.group_idx)
-            return
-        kind = event_kind(ev)
-        if kind == STORED:
+        """Apply one event, by its wire tag; events with any other tag are ignored."""
+        config = getattr(type(ev), "__struct_config__", None)
+        tag = None if config is None else config.tag
+        if tag == "BlockStored":
             self._store(ev, ev.medium)
-        elif kind == REMOVED:
+        elif tag == "BlockRemoved":
             self.remove(ev.block_hashes, ev.medium, getattr(ev, "group_idx", None))
-        elif kind == CLEARED:
+        elif tag == "AllBlocksCleared":
             self.clear()
+        elif tag == "BlockMoved":
+            self._store(ev, ev.to_medium)
+            self.remove(ev.block_hashes, ev.from_medium, getattr(ev, "group_idx", None))
 
     def clear(self) -> None:
         """Apply ``AllBlocksCleared``."""

@@ -23,8 +23,19 @@ Sequence handling, per source:
   source's index is reset (it is no longer trustworthy) and counted in
   ``resets``; then the new message is applied.
 - The first message of a source: with a replay endpoint, history from seq 0 is
-  requested; if it is incomplete the index starts from what was available and
-  the source is marked ``partial``.
+  requested; if it is incomplete (or there is no replay endpoint and the
+  first seq is not 0) the index starts from what was available and the source
+  is marked ``partial``.
+- A gap longer than ``max_replay`` messages (the publisher's ``buffer_steps``)
+  is not asked for: replay could not fill it, so the source resets at once.
+
+Nothing that arrives on the wire makes :meth:`Subscriber.poll` raise.  A
+message that does not decode, or whose known events do not validate (a hash
+that is not an int or bytes, a ``ts`` that is not a number...), is counted in
+``bad_messages`` and not applied; since its effect on the index is unknown,
+the source is reset (and marked ``partial``), and its seq is taken as
+consumed so that replaying the same bytes is not attempted.  Gap handling
+costs memory in the size of the reply, never of the jump.
 """
 
 from __future__ import annotations
@@ -38,100 +49,148 @@ from typing import Any
 import msgspec
 import zmq
 
+from coalesce._wire import END_SEQ
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 from coalesce.refmodel import Mode, SubscriberModel
 
-__all__ = ["Source", "Subscriber", "decode_batch"]
+__all__ = [
+    "IndexCleared",
+    "IndexMoved",
+    "IndexRemoved",
+    "IndexStored",
+    "Source",
+    "Subscriber",
+    "decode_batch",
+]
 
-END_SEQ = b"\xff" * 8
 _EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
     cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved)
 }
 
 
 def _decode_event(raw: Any) -> msgspec.Struct | None:
-    """One raw msgpack event (map or legacy array) to a typed event; None if unknown."""
+    """One raw msgpack event (map or legacy array) to a typed event.
+
+    Returns None for an unknown tag; raises ``ValueError`` for anything that
+    is not an event, or a known event whose fields do not validate.
+    """
     if isinstance(raw, dict):
-        cls = _EVENT_TYPES.get(raw.get("type"))  # type: ignore[arg-type]
+        tag = raw.get("type")
         fields = {k: v for k, v in raw.items() if k != "type"}
-    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
-        cls = _EVENT_TYPES.get(raw[0])
-        fields = {} if cls is None else dict(zip(cls.__struct_fields__, raw[1:], strict=False))
+    elif isinstance(raw, list) and raw:
+        tag, fields = raw[0], None
     else:
-        return None
+        raise ValueError(f"not an event: {type(raw).__name__}")
+    if not isinstance(tag, str):
+        raise ValueError(f"an event's type must be a string, got {type(tag).__name__}")
+    cls = _EVENT_TYPES.get(tag)
     if cls is None:
         return None
+    if fields is None:
+        fields = dict(zip(cls.__struct_fields__, raw[1:], strict=False))
     try:
         return msgspec.convert(fields, type=cls, strict=False)
-    except msgspec.ValidationError:
-        return None
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid {tag}: {exc}") from None
 
 
-class _Stored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: list[Any]
-    parent_block_hash: Any
+Hash = int | bytes
+
+
+class IndexStored(msgspec.Struct, tag="BlockStored", gc=False):
+    """What the index uses of a ``BlockStored`` (tokens and the rest are not decoded)."""
+
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
     medium: str | None
     group_idx: int | None = None
 
 
-class _Removed(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: list[Any]
+class IndexRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    """What the index uses of a ``BlockRemoved``."""
+
+    block_hashes: list[Hash]
     medium: str | None
     group_idx: int | None = None
 
 
-class _Moved(msgspec.Struct, tag="BlockMoved", gc=False):
-    block_hashes: list[Any]
-    parent_block_hash: Any
+class IndexMoved(msgspec.Struct, tag="BlockMoved", gc=False):
+    """What the index uses of the opt-in ``BlockMoved``."""
+
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
     from_medium: str | None
     to_medium: str | None
     group_idx: int | None = None
 
 
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
+class IndexCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    """``AllBlocksCleared``."""
+
+
+IndexEvent = IndexStored | IndexRemoved | IndexMoved | IndexCleared
 
 
 class _IndexBatch(msgspec.Struct, array_like=True, gc=False):
     """What the index needs: fields it does not need (tokens...) are skipped, not built."""
 
     ts: float
-    events: list[_Stored | _Removed | _Moved | _Cleared]
+    events: list[IndexEvent]
     data_parallel_rank: int | None = None
 
 
 _for_index = msgspec.msgpack.Decoder(type=_IndexBatch)
 
 
-def _apply_to_index(index: SubscriberModel, events: list[Any]) -> Counter[str]:
+def _index_view(ev: msgspec.Struct) -> IndexEvent:
+    """The index's view of a fully decoded event (the tolerant path's result)."""
+    if isinstance(ev, BlockStored):
+        return IndexStored(ev.block_hashes, ev.parent_block_hash, ev.medium, ev.group_idx)
+    if isinstance(ev, BlockRemoved):
+        return IndexRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+    if isinstance(ev, BlockMoved):
+        return IndexMoved(
+            ev.block_hashes, ev.parent_block_hash, ev.from_medium, ev.to_medium, ev.group_idx
+        )
+    return IndexCleared()
+
+
+def _apply_to_index(index: SubscriberModel, events: list[IndexEvent]) -> Counter[str]:
     kinds: Counter[str] = Counter()
     for ev in events:
-        cls = type(ev)
-        if cls is _Stored:
+        if isinstance(ev, IndexStored):
             index.store(ev.block_hashes, ev.parent_block_hash, ev.medium, ev.group_idx)
-        elif cls is _Removed:
+        elif isinstance(ev, IndexRemoved):
             index.remove(ev.block_hashes, ev.medium, ev.group_idx)
-        elif cls is _Moved:
+        elif isinstance(ev, IndexMoved):
             index.store(ev.block_hashes, ev.parent_block_hash, ev.to_medium, ev.group_idx)
             index.remove(ev.block_hashes, ev.from_medium, ev.group_idx)
-        elif cls is _Cleared:
-            index.clear()
         else:
-            index.apply_event(ev)
-        kinds[cls.__struct_config__.tag or cls.__name__] += 1
+            index.clear()
+        kinds[type(ev).__struct_config__.tag] += 1  # type: ignore[index]
     return kinds
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[msgspec.Struct], int | None, int]:
     """Decode one payload: ``(ts, known events, data_parallel_rank, unknown count)``.
 
-    Raises ``ValueError`` if the payload is not a 2- or 3-element batch array.
-    The events are full :mod:`coalesce.events` structs (a few us/event: every
-    field is built); the subscriber itself decodes only what its index needs.
+    Raises ``ValueError`` if the payload is not msgpack, not a 2- or 3-element
+    batch array with a number ``ts`` and an int or nil rank, or if a known
+    event does not validate.  An event with an unknown tag is skipped and
+    counted.  The events are full :mod:`coalesce.events` structs (every field
+    is built); the subscriber itself decodes only what its index needs.
     """
-    raw = msgspec.msgpack.decode(payload)
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
         raise ValueError("not an event batch: expected [ts, events, data_parallel_rank]")
+    ts, rank = raw[0], raw[2] if len(raw) == 3 else None
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise ValueError(f"not an event batch: ts is {type(ts).__name__}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise ValueError(f"not an event batch: data_parallel_rank is {type(rank).__name__}")
     events: list[msgspec.Struct] = []
     unknown = 0
     for item in raw[1]:
@@ -140,8 +199,18 @@ def decode_batch(payload: bytes) -> tuple[float, list[msgspec.Struct], int | Non
             unknown += 1
         else:
             events.append(ev)
-    rank = raw[2] if len(raw) == 3 else None
-    return float(raw[0]), events, rank, unknown
+    return float(ts), events, rank, unknown
+
+
+def _decode_for_index(payload: bytes) -> tuple[float, list[IndexEvent], int | None, int]:
+    """The fast path (only index fields built), else the tolerant one.  Raises ValueError."""
+    try:
+        fast = _for_index.decode(payload)
+        return fast.ts, fast.events, fast.data_parallel_rank, 0
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass  # legacy arrays, unknown tags (that event only), or invalid: decide below
+    ts, events, rank, unknown = decode_batch(payload)
+    return ts, [_index_view(ev) for ev in events], rank, unknown
 
 
 @dataclass
@@ -163,7 +232,9 @@ class Source:
     resets: int = 0
     restarts: int = 0
     unknown_events: int = 0
+    """Events skipped because their tag is unknown (the rest of the batch applied)."""
     bad_messages: int = 0
+    """Messages not applied: wrong frames, or a payload that does not decode or validate."""
     events: Counter[str] = field(default_factory=Counter)
     # seq -> hash of the payload applied, for the last RECENT seqs (duplicate vs restart)
     recent: dict[int, int] = field(default_factory=dict)
@@ -180,11 +251,15 @@ class Subscriber:
     that source).  ``mode`` is the index model (see ``coalesce.refmodel``):
     ``"llmd"`` by default, a refcount with llm-d's parent rule.  ``rcvhwm``
     sets the SUB sockets' receive high-water mark (ZeroMQ's default: 1000
-    messages).  ``on_batch(source, seq, ts, events, rank)`` is called after
-    each batch is applied (live or replayed); its events carry what the index
-    uses (hashes, parent, medium, group), not tokens: use :func:`decode_batch`
-    on the payload for full events.  Not thread-safe: use it from
-    one thread.
+    messages).  ``replay_timeout`` is how long a replay may go without a
+    frame before it counts as unanswered; ``max_replay`` is the longest gap
+    worth asking for (the publisher's ``buffer_steps``; vLLM's default).
+    ``on_batch(source, seq, ts, events, rank)`` is called after each batch is
+    applied (live or replayed); its events are the index's views
+    (:class:`IndexStored`, :class:`IndexRemoved`, :class:`IndexMoved`,
+    :class:`IndexCleared`: hashes, parent, medium, group), whatever the
+    encoding; use :func:`decode_batch` on a payload for full events.  Not
+    thread-safe: use it from one thread.
     """
 
     def __init__(
@@ -194,7 +269,8 @@ class Subscriber:
         *,
         topic: str = "",
         mode: Mode = "llmd",
-        replay_timeout: float = 5.0,
+        replay_timeout: float = 2.0,
+        max_replay: int = 10_000,
         rcvhwm: int | None = None,
         on_batch: Callable[[Source, int, float, list[Any], int | None], None] | None = None,
         context: zmq.Context[Any] | None = None,
@@ -206,9 +282,12 @@ class Subscriber:
             reps = list(replay_endpoints)
         if len(reps) != len(eps):
             raise ValueError("replay_endpoints must pair one to one with endpoints")
+        if max_replay < 1:
+            raise ValueError(f"max_replay must be >= 1, got {max_replay!r}")
         self._ctx = context or zmq.Context.instance()
         self._topic = topic.encode()
         self._replay_timeout = replay_timeout
+        self._max_replay = max_replay
         self._on_batch = on_batch
         self.sources: list[Source] = []
         self._socks: list[zmq.Socket[bytes]] = []
@@ -227,25 +306,27 @@ class Subscriber:
     # -- receiving ---------------------------------------------------------------
 
     def poll(self, timeout: float = 0.1, max_messages: int = 10_000) -> int:
-        """Receive and apply what arrives within ``timeout`` seconds; return messages applied.
+        """Receive and apply what arrives within ``timeout`` seconds; return messages handled.
 
-        Replays requested on a gap are synchronous (bounded by ``replay_timeout``).
+        Never raises for what arrives on the wire (see the module docstring).
+        Replays requested on a gap are synchronous: each waits at most
+        ``replay_timeout`` between frames.
         """
-        applied = 0
+        handled = 0
         deadline = time.monotonic() + timeout
-        while applied < max_messages:
+        while handled < max_messages:
             wait = max(0.0, deadline - time.monotonic())
             ready = dict(self._poller.poll(int(wait * 1000)))
             if not ready:
                 break
             for i, sock in enumerate(self._socks):
-                while sock in ready and applied < max_messages:
+                while sock in ready and handled < max_messages:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    applied += self._on_message(self.sources[i], frames)
-        return applied
+                    handled += self._on_message(self.sources[i], frames)
+        return handled
 
     def _on_message(self, src: Source, frames: list[bytes]) -> int:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -261,7 +342,7 @@ class Subscriber:
             self._reset(src)
             src.last_seq = last = None
         if last is None:
-            if src.replay_endpoint is not None and seq > 0:
+            if seq > 0:
                 self._catch_up(src, 0, seq, first=True)
         elif seq > last + 1:
             src.gaps += 1
@@ -270,6 +351,12 @@ class Subscriber:
         return 1
 
     def _apply(self, src: Source, seq: int, payload: bytes) -> None:
+        try:
+            ts, events, rank, unknown = _decode_for_index(payload)
+        except ValueError:
+            src.bad_messages += 1  # its effect is unknown: the index cannot be trusted
+            self._reset(src)
+            events = None
         src.last_seq = seq
         src.messages += 1
         src.bytes += len(payload)
@@ -277,16 +364,8 @@ class Subscriber:
         src.recent_order.append(seq)
         if len(src.recent_order) > RECENT:
             src.recent.pop(src.recent_order.popleft(), None)
-        events: list[Any]
-        try:  # the fast path: every event known and map-encoded, only index fields built
-            fast = _for_index.decode(payload)
-            ts, events, rank, unknown = fast.ts, list(fast.events), fast.data_parallel_rank, 0
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            try:  # the tolerant path: legacy arrays, unknown tags (that event only)
-                ts, events, rank, unknown = decode_batch(payload)
-            except (ValueError, msgspec.DecodeError):
-                src.bad_messages += 1
-                return
+        if events is None:
+            return
         src.unknown_events += unknown
         src.events.update(_apply_to_index(src.index, events))
         if self._on_batch is not None:
@@ -300,22 +379,32 @@ class Subscriber:
         src.recent_order.clear()
 
     def _catch_up(self, src: Source, start: int, until: int, first: bool) -> None:
-        """Replay ``[start, until)``; reset (or mark partial) if that is impossible."""
-        got = self._replay(src, start, until) if src.replay_endpoint is not None else None
-        complete = got is not None and [s for s, _ in got] == list(range(start, until))
+        """Replay ``[start, until)``; reset (or mark partial) if that is impossible.
+
+        O(reply) memory, whatever ``until - start`` is: a gap longer than
+        ``max_replay`` is not asked for at all.
+        """
+        got: list[tuple[int, bytes]] | None = None
+        if src.replay_endpoint is not None and until - start <= self._max_replay:
+            got = self._replay(src, start, until)
+        complete = bool(got) and got[0][0] == start and got[-1][0] == until - 1  # type: ignore[index]
         if not complete:
             if first:
                 src.partial = True
             else:
                 self._reset(src)
-            # only what comes after the missing part can be trusted
-            got = [(s, p) for s, p in (got or []) if s > _last_missing(got or [], start, until)]
-        for seq, payload in got or []:
+        for seq, payload in got or ():
             self._apply(src, seq, payload)
-        src.replayed_messages += len(got or [])
+        src.replayed_messages += len(got or ())
 
     def _replay(self, src: Source, start: int, until: int) -> list[tuple[int, bytes]] | None:
-        """Ask the source's ROUTER for ``seq >= start``; keep those below ``until``."""
+        """Ask the source's ROUTER for ``seq >= start``; keep a contiguous run below ``until``.
+
+        Returns None if nothing complete came back in time.  The run starts at
+        ``start`` if the reply is complete; after a hole only the messages past
+        the hole are kept (the ones before it cannot be trusted once the
+        source resets).  A reply that starts late is not read further.
+        """
         assert src.replay_endpoint is not None
         src.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
@@ -324,23 +413,26 @@ class Subscriber:
         out: list[tuple[int, bytes]] = []
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self._replay_timeout
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not dealer.poll(int(left * 1000)):
-                    return None  # no complete answer in time
+                if not dealer.poll(int(self._replay_timeout * 1000)):
+                    return None  # no answer in time
                 frames = dealer.recv_multipart()
-                if len(frames) != 4:
+                if len(frames) != 4 or len(frames[2]) != 8:
                     continue
                 _, _topic, seq_b, payload = frames
                 if seq_b == END_SEQ:
                     return out
                 seq = int.from_bytes(seq_b, "big")
-                if start <= seq < until:
-                    if not out and seq != start:
-                        return out  # incomplete from the first frame: no need for the rest
-                    out.append((seq, payload))
-                if seq >= until - 1:
+                if not start <= seq < until:
+                    if seq >= until:
+                        return out
+                    continue
+                if not out and seq != start:
+                    return out  # incomplete from the first frame: no need for the rest
+                if out and seq != out[-1][0] + 1:
+                    out = []  # a hole: only what comes after it can be used
+                out.append((seq, payload))
+                if seq == until - 1:
                     return out  # all we need; closing the DEALER ends the reply
         finally:
             dealer.close()
@@ -364,9 +456,20 @@ class Subscriber:
         total: Counter[str] = Counter()
         for s in self.sources:
             total.update(s.events)
-        keys = ("messages", "duplicates", "gaps", "replays", "resets", "restarts")
+        keys = (
+            "messages",
+            "bytes",
+            "duplicates",
+            "gaps",
+            "replays",
+            "replayed_messages",
+            "resets",
+            "restarts",
+            "unknown_events",
+            "bad_messages",
+        )
         out: dict[str, Any] = {k: sum(getattr(s, k) for s in self.sources) for k in keys}
-        out["unknown_events"] = sum(s.unknown_events for s in self.sources)
+        out["partial_sources"] = sum(s.partial for s in self.sources)
         out["events"] = dict(total)
         out["index_size"] = sum(len(s.index.state()) for s in self.sources)
         return out
@@ -381,12 +484,3 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _last_missing(got: list[tuple[int, bytes]], start: int, until: int) -> int:
-    """The highest seq in ``[start, until)`` that the reply lacks (``start - 1`` if none)."""
-    have = {s for s, _ in got}
-    for seq in range(until - 1, start - 1, -1):
-        if seq not in have:
-            return seq
-    return start - 1
