@@ -307,7 +307,7 @@ class CoalescingPublisher:
         """Wait until every batch accepted so far is sent (or counted lost).
 
         Returns False if that took longer than ``timeout`` seconds, or if the
-        sender has stopped.  This one *does* block the caller (polling every
+        sender stopped before it was done.  This one *does* block the caller (polling every
         millisecond): it is for tests and orderly hand-offs, never for the
         engine's step loop.
         """
