@@ -160,6 +160,7 @@ class Sender:
         self._level = Level.ONE_TO_ONE
         self._escalated = False  # this pressure episode is fold-only
         self._last_yield = 0.0
+        self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
         # shared with the facade
         self.done = 0
@@ -267,14 +268,17 @@ class Sender:
                     "compacting" if level == Level.RULES else "escalating to fold-only",
                 )
             self._level = level
+        taken_events = backlog.events_out
         if level == Level.ONE_TO_ONE:
             item = backlog.take_one()
             if item is LOSS:
                 self._skip_pending = True
                 return
             assert isinstance(item, tuple)
+            self._in_flight = (1, item[1])
             self._send_one(item[0], item[1])
             self.done += 1
+            self._in_flight = (0, 0)
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
         window = backlog.take(step)
@@ -282,6 +286,7 @@ class Sender:
             self._skip_pending = True
             return
         assert isinstance(window, list)
+        self._in_flight = (len(window), backlog.events_out - taken_events)
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
             level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
         try:
@@ -296,6 +301,7 @@ class Sender:
             if self._send_all(out, window):
                 self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
         self.done += len(window)
+        self._in_flight = (0, 0)
         if level == Level.RULES and backlog.pending_events >= events_before:
             self._escalated = True  # the rules cost more than they save: fold only
 
@@ -399,8 +405,15 @@ class Sender:
             "(subscribers will see a sequence gap)",
             exc_info=exc,
         )
+        # The window being handled is counted lost (part of it may have gone out:
+        # then it is counted twice, never zero times).
+        batches, events = self._in_flight
+        self._in_flight = (0, 0)
+        self.totals.abandoned_batches += batches
+        self.totals.abandoned_events += events
+        self.done += batches
         try:
-            self._skip_pending = True  # whatever was in flight is lost too
+            self._skip_pending = True
             self._abandon("sender failed")
             self._finish_loss()
         except Exception:  # the socket itself is broken: nothing more can be said on it

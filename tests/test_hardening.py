@@ -139,6 +139,26 @@ def test_a_sender_that_dies_anyway_drops_visibly_from_then_on(make_sub, caplog):
         pub.shutdown()
 
 
+def test_a_sender_that_dies_mid_window_counts_the_window_lost():
+    pub = CoalescingPublisher(endpoint=inproc("pub"), high_watermark=1)
+    try:
+        sender = pub._sender
+
+        def broken(payload: bytes, n_events: int) -> None:  # the socket fails mid-window
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+
+        with starved_sender():
+            for i in range(20):
+                pub.publish(KVEventBatch(float(i), [good(i + 1)]))
+            sender._emit = broken  # type: ignore[method-assign]
+        wait_for(lambda: not pub.stats().sender_alive, what="the sender to stop")
+        assert pub.flush(1.0)
+        st = pub.stats()
+        assert st.messages_sent == 0 and st.batches_dropped == 20 and st.events_dropped == 20
+    finally:
+        pub.shutdown()
+
+
 def test_a_publisher_dropped_without_shutdown_stops_its_thread():
     pub = CoalescingPublisher(endpoint=inproc("pub"))
     pub.publish(KVEventBatch(0.0, [good(1)]))
