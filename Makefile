@@ -40,6 +40,7 @@ lint: $(STAMP)            ## ruff + mypy --strict
 bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmarks.md
 	$(BIN)/python benchmarks/bench_publish.py
 	$(BIN)/python benchmarks/bench_overload.py
+	$(BIN)/python benchmarks/bench_replay.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

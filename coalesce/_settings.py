@@ -5,8 +5,9 @@ come from a ``COALESCE_*`` environment variable.  Precedence: an explicit
 keyword argument, then the environment variable, then the default.
 
 Each knob is declared once, as a field of :class:`Settings` (name, type,
-default, parser in its metadata, docstring); the constructor keyword, the
-variable name and the docs table are derived from it.
+default, parser in its metadata, docstring); the constructor keyword and the
+variable name are derived from it, and tests/test_docs.py checks the table in
+docs/backpressure.md against it.
 """
 
 from __future__ import annotations

@@ -43,3 +43,18 @@ def test_doc_example_runs(code: str) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="run by tests_vllm")
 def test_vllm_blocks_are_left_to_the_conformance_tier() -> None:
     assert doc_blocks(need_vllm=True), "docs/vllm.md should show a runnable check"
+
+
+def test_the_knobs_table_lists_every_knob_with_its_variable_and_default() -> None:
+    from dataclasses import fields
+
+    from coalesce._settings import Settings, env_name
+
+    text = (ROOT / "docs" / "backpressure.md").read_text()
+    rows = {m[0]: m[1:] for m in re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([^|]+) \|", text, re.M)}
+    defaults = Settings()
+    for f in fields(Settings):
+        value = getattr(defaults, f.name)
+        shown = str(int(value)) if isinstance(value, bool) else f"{value:,}"
+        assert f.name in rows, f"{f.name} is missing from docs/backpressure.md"
+        assert rows[f.name] == (env_name(f.name), shown), f.name
