@@ -35,6 +35,7 @@ import bisect
 import logging
 import time
 from collections import deque
+from typing import ClassVar
 
 import zmq
 
@@ -128,6 +129,19 @@ class ReplayService:
         self.refused = 0
         self.messages = 0
         self.abandoned = 0
+
+    NOTHING: ClassVar[dict[str, int]] = {
+        "replay_requests": 0,
+        "replay_invalid": 0,
+        "replay_refused": 0,
+        "replay_messages": 0,
+        "replay_abandoned": 0,
+    }
+    """The ``PublisherStats`` replay counters of a publisher with no replay endpoint."""
+
+    def published(self) -> dict[str, int]:
+        """The counters as ``PublisherStats`` fields."""
+        return {name: getattr(self, name[len("replay_") :]) for name in self.NOTHING}
 
     @property
     def busy(self) -> bool:

@@ -21,6 +21,7 @@ import enum
 import logging
 import threading
 import time
+from dataclasses import dataclass, fields
 from typing import Any
 
 import zmq
@@ -29,7 +30,7 @@ from coalesce._backlog import LOSS, Backlog
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._wire import Encoder, send_message
-from coalesce.compactor import compact
+from coalesce.compactor import compact, rule_stats
 
 __all__ = ["Level", "Sender"]
 
@@ -82,42 +83,44 @@ class RateLimited:
         log.log(level, msg, *args)
 
 
+@dataclass(slots=True)
 class Totals:
-    """The sender's counters: written by the sender thread only, read by ``stats()``."""
+    """The sender's counters: written by the sender thread only, read by ``stats()``.
 
-    __slots__ = (
-        "abandoned_batches",
-        "abandoned_events",
-        "bytes",
-        "cancelled",
-        "compaction_failures",
-        "encode_failures",
-        "events",
-        "fold_only_passes",
-        "folded",
-        "merged",
-        "messages",
-        "moved",
-        "passes",
-        "seq_gaps",
-        "superseded",
-    )
+    Named as the ``PublisherStats`` fields they become, so ``stats()`` passes
+    them through without a mapping; the compaction counters are added by name
+    from each report (:func:`coalesce.compactor.rule_stats`).
+    """
 
-    def __init__(self) -> None:
-        self.messages = self.events = self.bytes = 0
-        self.passes = self.fold_only_passes = self.folded = self.merged = 0
-        self.cancelled = self.superseded = self.moved = 0
-        self.abandoned_batches = self.abandoned_events = 0
-        self.encode_failures = self.compaction_failures = self.seq_gaps = 0
+    abandoned_batches: int = 0
+    abandoned_events: int = 0
+    batches_folded: int = 0
+    blocks_cancelled: int = 0
+    blocks_moved: int = 0
+    bytes_sent: int = 0
+    compaction_failures: int = 0
+    compaction_passes: int = 0
+    encode_failures: int = 0
+    events_merged: int = 0
+    events_sent: int = 0
+    events_superseded: int = 0
+    fold_only_passes: int = 0
+    messages_sent: int = 0
+    seq_gaps: int = 0
 
     def add_pass(self, report: Any, fold_only: bool) -> None:
-        self.passes += 1
+        self.compaction_passes += 1
         self.fold_only_passes += fold_only
-        self.folded += report.folded
-        self.merged += report.merged
-        self.cancelled += report.cancelled
-        self.superseded += report.superseded
-        self.moved += report.moved
+        for field, stat in _RULE_STATS:
+            setattr(self, stat, getattr(self, stat) + getattr(report, field))
+
+    def published(self) -> dict[str, int]:
+        """The counters that are ``PublisherStats`` fields as they are."""
+        return {f.name: getattr(self, f.name) for f in _PUBLISHED}
+
+
+_RULE_STATS = rule_stats()
+_PUBLISHED = [f for f in fields(Totals) if not f.name.startswith("abandoned")]
 
 
 class Sender:
@@ -346,9 +349,9 @@ class Sender:
         self._seq += 1
         send_message(self._pub, self._topic, seq, payload)
         self._buffer.append(seq, payload)
-        t.messages += 1
-        t.events += n_events
-        t.bytes += len(payload)
+        t.messages_sent += 1
+        t.events_sent += n_events
+        t.bytes_sent += len(payload)
 
     # -- losses ------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog
-from coalesce._replay import ReplayBuffer
+from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
 from coalesce.stats import PublisherStats
@@ -264,27 +264,11 @@ class CoalescingPublisher:
             events_in=b.events_in,
             batches_dropped=b.batches_dropped + t.abandoned_batches,
             events_dropped=b.events_dropped + t.abandoned_events,
-            encode_failures=t.encode_failures,
-            compaction_failures=t.compaction_failures,
-            seq_gaps=t.seq_gaps,
-            messages_sent=t.messages,
-            events_sent=t.events,
-            bytes_sent=t.bytes,
-            batches_folded=t.folded,
-            events_merged=t.merged,
-            blocks_cancelled=t.cancelled,
-            events_superseded=t.superseded,
-            blocks_moved=t.moved,
-            compaction_passes=t.passes,
-            fold_only_passes=t.fold_only_passes,
             backlog_batches=b.pending,
             backlog_peak=b.peak,
             sender_alive=s.alive,
-            replay_requests=0 if r is None else r.requests,
-            replay_invalid=0 if r is None else r.invalid,
-            replay_refused=0 if r is None else r.refused,
-            replay_messages=0 if r is None else r.messages,
-            replay_abandoned=0 if r is None else r.abandoned,
+            **t.published(),
+            **(r.published() if r is not None else ReplayService.NOTHING),
         )
 
     def get_publisher_config(self) -> Any:

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 import coalesce.vllm_plugin as plugin
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.metrics import StatsCollector, metric_names
+from coalesce.compactor import rule_stats
 from coalesce.stats import PublisherStats, field_docs
 from tests.conftest import inproc
 
@@ -31,8 +32,11 @@ def test_plugin_without_vllm_warns_and_does_nothing(monkeypatch, caplog):
 
 def test_every_stat_is_documented_and_exported():
     fields = set(PublisherStats.__dataclass_fields__)
-    assert set(field_docs()) == fields
+    assert set(field_docs()) == fields and all(field_docs().values())
     assert set(metric_names()) == fields
+    # every compaction rule's counter reaches a stats field of its own
+    stats = [stat for _, stat in rule_stats()]
+    assert len(set(stats)) == len(stats) and set(stats) <= fields
 
 
 def test_collector_exposes_stats_with_conventional_names():

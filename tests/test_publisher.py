@@ -262,6 +262,8 @@ def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub):
     hashes = [e.block_hashes[0] for m in msgs for e in decode(m[2]).events]
     assert hashes == [1, 3, 4]  # the good batches, uncompacted, after the failure
     assert [m[1] for m in msgs] == [0, 2, 3]
+    st = p.stats()  # the compacted result was not sent, so it is not counted
+    assert (st.compaction_passes, st.batches_folded, st.encode_failures) == (0, 0, 1)
 
 
 def test_invalid_input_raises_and_queues_nothing(pubs):
