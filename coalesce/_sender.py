@@ -177,6 +177,8 @@ class Sender:
         self.idle = False
         """The thread is (about to be) asleep; ``publish()`` may wake it."""
         self.wake_event = threading.Event()
+        self._gate: threading.Event | None = None
+        self._parked = threading.Event()
         self.thread = threading.Thread(target=self._run, name="coalesce-sender", daemon=True)
 
     def start(self) -> None:
@@ -186,6 +188,26 @@ class Sender:
         """Ask the thread to flush and stop; returns at once.  Safe from any thread."""
         self.closed = True
         self.wake_event.set()
+
+    # -- a test hook: hold the thread still --------------------------------------------
+
+    def hold(self, timeout: float = 10.0) -> None:
+        """Park the thread at the top of its loop until :meth:`release` (tests only).
+
+        Returns once it is parked, so that nothing is taken from the backlog
+        meanwhile: a deterministic stand-in for a sender that cannot get the GIL.
+        """
+        self._parked.clear()
+        self._gate = threading.Event()
+        self.wake_event.set()
+        if not self._parked.wait(timeout):
+            raise RuntimeError("the sender thread did not park")
+
+    def release(self) -> None:
+        """Let a held thread go on."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.set()
 
     # -- the loop ----------------------------------------------------------------
 
@@ -209,6 +231,10 @@ class Sender:
         backlog, replay = self._backlog, self.replay
         deadline: float | None = None
         while True:
+            gate = self._gate
+            if gate is not None:  # held by a test (hold()); one read otherwise
+                self._parked.set()
+                gate.wait()
             did = replay.step(self._replay_budget()) if replay is not None else False
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout

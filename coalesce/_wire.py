@@ -1,8 +1,9 @@
 """Encode and send: one batch becomes one 3-frame ZMQ message.
 
-Frames: ``[topic, seq (8 bytes big-endian), msgpack payload]``.  Three
-``send()`` calls with a plain-int ``SNDMORE`` flag cost about a quarter of one
-``send_multipart`` (which builds an IntFlag per frame).
+Frames: ``[topic, seq (8 bytes big-endian), msgpack payload]``, sent as
+three ``send()`` calls with a plain-int ``SNDMORE`` flag: ``send_multipart``
+builds an IntFlag per frame, which costs more than the send itself
+(docs/benchmarks.md and the facts sheet have the figures).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ END_SEQ = b"\xff" * 8
 
 
 class Encoder:
-    """msgspec msgpack encoding of any ``EventBatch``-like struct.  ~80 ns per event."""
+    """msgspec msgpack encoding of any ``EventBatch``-like struct.  O(events), in C."""
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()

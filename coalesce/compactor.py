@@ -487,9 +487,10 @@ def compact(
     as it would have).  With ``move_events``, ``BlockMoved`` events are sent in
     batches of their own.  With ``fold_only``, rule 1 alone is applied.
 
-    Cost: O(events + block hashes) time and memory; no I/O.  Measured here:
-    about 2 us per event with every rule, about 20 ns per event with
-    ``fold_only`` (a list concatenation), against ~80 ns per event to encode.
+    Cost: O(events + block hashes) time and memory; no I/O.  With
+    ``fold_only`` it is one list concatenation per group (C-level copies),
+    far cheaper per event than the rules' Python passes; docs/benchmarks.md
+    has both measured against encoding.
     """
     counts: Counter[str] = Counter()  # rule counters, by CompactionReport field name
     out: list[Any] = []

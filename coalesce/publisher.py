@@ -221,7 +221,7 @@ class CoalescingPublisher:
         if not backlog.offer(events, len(evs)):
             self._dropped()
             return PublishOutcome.DROPPED
-        # Waking a sleeping thread is a futex syscall (~5 us): only worth it when work
+        # Waking a sleeping thread is a futex syscall: only worth it when work
         # piles up (in batches, or in events: a burst must not wait for IDLE_POLL, or
         # the sender misses the engine's GPU wait, the only time it can run).
         # Otherwise the idle sender finds the batch within IDLE_POLL.

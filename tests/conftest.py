@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,8 +13,15 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from hypothesis import settings
 
 from coalesce.events import KVEventBatch
+
+# Hypothesis profiles, one for every test module: HYPOTHESIS_PROFILE=dev for quick local
+# runs; CI uses "ci".  Tests that set max_examples themselves keep their own.
+settings.register_profile("ci", max_examples=1000, deadline=None)
+settings.register_profile("dev", max_examples=100, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 END = b"\xff" * 8
 _names = itertools.count()
@@ -111,14 +117,19 @@ def make_sub() -> Iterator[Callable[..., Sub]]:
 
 
 @contextmanager
-def starved_sender() -> Iterator[None]:
-    """Keep the GIL on this thread: the sender thread cannot run until we block or exit."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
+def held(pub: Any) -> Iterator[None]:
+    """Hold a publisher's sender thread still: nothing leaves the backlog until we exit.
+
+    Deterministic (the thread is parked on an event, not kept off the GIL by the
+    switch interval), so it also holds on free-threaded CPython.  Do not call
+    ``shutdown()`` inside: it waits for the held thread.
+    """
+    sender = pub._sender
+    sender.hold()
     try:
         yield
     finally:
-        sys.setswitchinterval(old)
+        sender.release()
 
 
 def decode(payload: bytes) -> KVEventBatch:

@@ -30,7 +30,7 @@ from coalesce import (
     PublishOutcome,
 )
 from coalesce.subscriber import Subscriber
-from tests.conftest import inproc, starved_sender, wait_for
+from tests.conftest import held, inproc, wait_for
 from tests.streams import removals, stores
 
 
@@ -109,7 +109,7 @@ def test_whatever_is_published_goes_out_or_is_lost_visibly(batches):
         pub = CoalescingPublisher(endpoint=ep, high_watermark=1)
         try:
             accepted: list[int] = []
-            with starved_sender():  # back to back: the sender compacts them
+            with held(pub):  # back to back: the sender compacts them
                 for i, evs in enumerate(batches):
                     outcome = pub.publish(KVEventBatch(float(i), [*evs, marker(i)]))
                     if outcome is PublishOutcome.QUEUED:
@@ -132,16 +132,16 @@ def test_whatever_is_published_goes_out_or_is_lost_visibly(batches):
         assert src.gaps <= st_.seq_gaps, "inproc drops nothing: every gap is a loss"
         lost = st_.encode_failures + st_.batches_dropped
         assert (lost > 0) == (st_.seq_gaps > 0), "a loss, and only a loss, skips a seq"
-        held = {h for (m, _, h) in src.index.state() if m == "MARK"}
+        have = {h for (m, _, h) in src.index.state() if m == "MARK"}
         knows = src.resets or src.gaps or src.partial  # it knows its index may be wrong
-        assert MARK + sentinel in held or knows
+        assert MARK + sentinel in have or knows
         if not knows:  # the subscriber believes it is right: it must be
             cleared_after = [
                 i for i in accepted if any(isinstance(e, AllBlocksCleared) for e in batches[i])
             ]
             start = max(cleared_after, default=-1)
             expect = {MARK + i for i in accepted if i >= start} | {MARK + sentinel}
-            assert expect <= held, "an accepted batch vanished with no gap"
+            assert expect <= have, "an accepted batch vanished with no gap"
 
 
 raw = st.recursive(

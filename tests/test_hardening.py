@@ -21,7 +21,7 @@ import zmq
 
 from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch, PublishOutcome
 from coalesce.subscriber import Subscriber
-from tests.conftest import decode, free_port, inproc, starved_sender, wait_for
+from tests.conftest import decode, free_port, held, inproc, wait_for
 
 
 def good(h: int, parent: int | None = None) -> BlockStored:
@@ -53,7 +53,7 @@ def test_a_malformed_event_under_compaction_does_not_stop_the_sender(case, make_
     pub = CoalescingPublisher(endpoint=ep, high_watermark=1)
     try:
         bad = MALFORMED[case]()
-        with starved_sender():  # back to back: the sender compacts them together
+        with held(pub):  # back to back: the sender compacts them together
             for i in range(10):
                 assert pub.publish(KVEventBatch(float(i), [good(i + 1, i or None)])) is (
                     PublishOutcome.QUEUED
@@ -82,7 +82,7 @@ def test_a_batch_mutated_after_publish_is_sent_or_lost_visibly(make_sub):
     sub = make_sub(ep)
     pub = CoalescingPublisher(endpoint=ep, high_watermark=1)
     try:
-        with starved_sender():
+        with held(pub):
             b = KVEventBatch(0.0, [good(1)])
             pub.publish(b)
             b.events = None  # type: ignore[assignment]  # a careless caller
@@ -147,7 +147,7 @@ def test_a_sender_that_dies_mid_window_counts_the_window_lost():
         def broken(payload: bytes, n_events: int) -> None:  # the socket fails mid-window
             raise zmq.ZMQError(zmq.ENOTSOCK)
 
-        with starved_sender():
+        with held(pub):
             for i in range(20):
                 pub.publish(KVEventBatch(float(i), [good(i + 1)]))
             sender._emit = broken  # type: ignore[method-assign]

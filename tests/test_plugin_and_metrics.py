@@ -9,16 +9,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import coalesce.vllm_plugin as plugin
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
-from coalesce.metrics import StatsCollector, metric_names
 from coalesce.compactor import rule_stats
+from coalesce.metrics import StatsCollector, metric_names
 from coalesce.stats import PublisherStats, field_docs
 from tests.conftest import inproc
 
 
-def test_plugin_is_inert_without_the_variable(monkeypatch):
+def test_plugin_is_inert_without_the_variable(monkeypatch, caplog):
     monkeypatch.delenv("COALESCE_KV_EVENTS", raising=False)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would raise
     plugin.register()  # returns before touching vllm
+    assert plugin._original is None and not caplog.records
 
 
 def test_plugin_without_vllm_warns_and_does_nothing(monkeypatch, caplog):
@@ -55,8 +56,25 @@ def test_collector_exposes_stats_with_conventional_names():
     assert "# HELP kv_coalesce_batches_dropped_total Batches lost" in text
 
 
-@pytest.mark.parametrize("value", ["0", "", "off"])
-def test_plugin_disabled_values(monkeypatch, value):
+@pytest.mark.parametrize("value", ["0", "", "off", "no", "false"])
+def test_plugin_disabled_values(monkeypatch, caplog, value):
     monkeypatch.setenv("COALESCE_KV_EVENTS", value)
     monkeypatch.setitem(sys.modules, "vllm", None)
     plugin.register()
+    # enabled, it would have tried to import vllm and said so
+    assert plugin._original is None and "cannot be imported" not in caplog.text
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", " ON "])
+def test_plugin_enabled_values_try_vllm(monkeypatch, caplog, value):
+    monkeypatch.setenv("COALESCE_KV_EVENTS", value)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    plugin.register()
+    assert "cannot be imported" in caplog.text
+
+
+def test_plugin_rejects_a_value_that_is_not_a_flag(monkeypatch, caplog):
+    monkeypatch.setenv("COALESCE_KV_EVENTS", "maybe")
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    plugin.register()
+    assert "is not a flag" in caplog.text and "cannot be imported" not in caplog.text

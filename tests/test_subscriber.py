@@ -10,7 +10,7 @@ import pytest
 from coalesce import BlockMoved, BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.refmodel import SubscriberModel
 from coalesce.subscriber import Subscriber, decode_batch
-from tests.conftest import free_port, inproc, starved_sender
+from tests.conftest import free_port, held, inproc
 
 
 def store(h: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
@@ -158,7 +158,7 @@ def test_a_publisher_loss_makes_an_incomplete_replay_and_a_reset():
     pub = CoalescingPublisher(endpoint=ep, replay_endpoint=rep, max_queue_size=3)
     try:
         with sub:
-            with starved_sender():
+            with held(pub):
                 for b in chain_batches(50):
                     pub.publish(b)
             assert pub.flush(10)

@@ -22,7 +22,7 @@ from vllm.distributed import kv_events as vk
 import coalesce.vllm_plugin as plugin
 from coalesce import CoalescingPublisher, PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
-from tests.conftest import decode, free_port, inproc, starved_sender, wait_for
+from tests.conftest import decode, free_port, held, inproc, wait_for
 
 END = b"\xff" * 8
 
@@ -176,7 +176,7 @@ def test_compacted_stream_decodes_with_vllms_types_and_keeps_state(enabled, made
     pub_kw = pub.settings
     assert pub_kw.compaction is True
     batches = [offload(i) for i in range(600)]
-    with starved_sender():
+    with held(pub):
         for b in batches:
             pub.publish(b)
     assert pub.flush(20)
@@ -269,7 +269,7 @@ def test_generic_event_batches(enabled, made, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
     pub = create(made, endpoint=ep)
-    with starved_sender():
+    with held(pub):
         for i in range(30):
             pub.publish(SampleBatch(ts=float(i), events=[SampleEvent("e", i)]))
     assert pub.flush(10)
