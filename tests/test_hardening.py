@@ -180,12 +180,26 @@ def raw_pub(endpoint: str) -> zmq.Socket[bytes]:
     return sock
 
 
-def send(sock: zmq.Socket[bytes], seq: int, payload: bytes) -> None:
-    sock.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-
-
 def good_payload(h: int) -> bytes:
     return msgspec.msgpack.encode(KVEventBatch(1.0, [good(h)], 0))
+
+
+def msg(seq: int, payload: bytes) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), payload]
+
+
+def deliver(sub: Subscriber, ep: str, messages: list[list[bytes]], until: int) -> None:
+    """Send raw multipart messages on a real PUB at ``ep``; poll until seq ``until`` is in."""
+    pub = raw_pub(ep)
+    try:
+        for frames in messages:
+            pub.send_multipart(frames)
+        wait_for(
+            lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq == until,
+            what=f"seq {until}",
+        )
+    finally:
+        pub.close()
 
 
 enc = msgspec.msgpack.encode
@@ -209,14 +223,8 @@ BAD_PAYLOADS = {
 def test_a_malformed_payload_is_counted_not_applied(case):
     ep = inproc("pub")
     with Subscriber(ep) as sub:
-        pub = raw_pub(ep)
-        try:
-            send(pub, 0, good_payload(1))
-            send(pub, 1, BAD_PAYLOADS[case])
-            send(pub, 2, good_payload(2))
-            wait_for(lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq == 2, what="seq 2")
-        finally:
-            pub.close()
+        messages = [msg(0, good_payload(1)), msg(1, BAD_PAYLOADS[case]), msg(2, good_payload(2))]
+        deliver(sub, ep, messages, until=2)
         src = sub.sources[0]
         assert src.bad_messages == 1 and src.messages == 3
         assert src.resets == 1 and src.partial  # what seq 1 did is unknown
@@ -226,15 +234,10 @@ def test_a_malformed_payload_is_counted_not_applied(case):
 def test_wrong_frames_are_counted_and_do_not_move_the_sequence():
     ep = inproc("pub")
     with Subscriber(ep) as sub:
-        pub = raw_pub(ep)
-        try:
-            send(pub, 0, good_payload(1))
-            pub.send_multipart([b"", b"\x00\x01", good_payload(2)])  # short seq frame
-            pub.send_multipart([b"", (1).to_bytes(8, "big")])  # two frames
-            send(pub, 1, good_payload(3))
-            wait_for(lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq == 1, what="seq 1")
-        finally:
-            pub.close()
+        short_seq = [b"", b"\x00\x01", good_payload(2)]
+        two_frames = [b"", (1).to_bytes(8, "big")]
+        messages = [msg(0, good_payload(1)), short_seq, two_frames, msg(1, good_payload(3))]
+        deliver(sub, ep, messages, until=1)
         src = sub.sources[0]
         assert src.bad_messages == 2 and src.resets == 0 and src.gaps == 0
 
@@ -246,13 +249,9 @@ def test_a_far_sequence_jump_resets_at_once_without_asking(jump):
     router.setsockopt(zmq.LINGER, 0)
     router.bind(rep)
     with Subscriber(ep, rep, max_replay=1000) as sub:
-        pub = raw_pub(ep)
         try:
-            send(pub, 0, good_payload(1))
-            send(pub, jump, good_payload(2))
-            wait_for(lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq == jump, what="jump")
+            deliver(sub, ep, [msg(0, good_payload(1)), msg(jump, good_payload(2))], until=jump)
         finally:
-            pub.close()
             router.close()
         src = sub.sources[0]
         assert (src.gaps, src.resets, src.replays) == (1, 1, 0)
@@ -262,12 +261,7 @@ def test_a_far_sequence_jump_resets_at_once_without_asking(jump):
 def test_joining_far_into_a_stream_is_partial_without_a_replay_request():
     ep, rep = inproc("pub"), inproc("replay")
     with Subscriber(ep, rep, max_replay=1000) as sub:
-        pub = raw_pub(ep)
-        try:
-            send(pub, (1 << 64) - 1, good_payload(1))
-            wait_for(lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq is not None, what="1")
-        finally:
-            pub.close()
+        deliver(sub, ep, [msg((1 << 64) - 1, good_payload(1))], until=(1 << 64) - 1)
         src = sub.sources[0]
         assert src.partial and src.replays == 0 and src.resets == 0
 
@@ -275,12 +269,7 @@ def test_joining_far_into_a_stream_is_partial_without_a_replay_request():
 def test_joining_mid_stream_without_replay_is_partial():
     ep = inproc("pub")
     with Subscriber(ep) as sub:
-        pub = raw_pub(ep)
-        try:
-            send(pub, 500, good_payload(1))
-            wait_for(lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq == 500, what="500")
-        finally:
-            pub.close()
+        deliver(sub, ep, [msg(500, good_payload(1))], until=500)
         assert sub.sources[0].partial and sub.summary()["partial_sources"] == 1
 
 
@@ -290,13 +279,9 @@ def test_an_unanswered_replay_waits_replay_timeout_between_frames_only():
     router.setsockopt(zmq.LINGER, 0)
     router.bind(rep)
     with Subscriber(ep, rep, replay_timeout=0.2) as sub:
-        pub = raw_pub(ep)
         try:
-            send(pub, 0, good_payload(1))
-            send(pub, 5, good_payload(2))
-            wait_for(lambda: sub.poll(0.01) >= 0 and sub.sources[0].last_seq == 5, what="seq 5")
+            deliver(sub, ep, [msg(0, good_payload(1)), msg(5, good_payload(2))], until=5)
         finally:
-            pub.close()
             router.close()
         src = sub.sources[0]
         assert (src.gaps, src.replays, src.resets) == (1, 1, 1)
