@@ -50,8 +50,13 @@ def run(
     kw = {} if window is None else {"replay_window": window}
     if max_clients is not None:
         kw["replay_max_clients"] = max_clients
-    pub = CoalescingPublisher(endpoint=f"inproc://bench-{p}", replay_endpoint=f"tcp://127.0.0.1:{p}",
-                              buffer_steps=buffer, compaction=False, **kw)  # fmt: skip
+    pub = CoalescingPublisher(
+        endpoint=f"inproc://bench-{p}",
+        replay_endpoint=f"tcp://127.0.0.1:{p}",
+        buffer_steps=buffer,
+        compaction=False,
+        **kw,
+    )
     tokens = list(range(2500))  # ~10 kB per encoded message
     for i in range(buffer):
         pub.publish(
@@ -62,8 +67,12 @@ def run(
     pub.flush(30)
     gc.collect()
     before = rss_mb()
-    proc = subprocess.Popen([sys.executable, "-c", CLIENTS, f"tcp://127.0.0.1:{p}", str(clients)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENTS, f"tcp://127.0.0.1:{p}", str(clients)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "sent"
     last, still = -1, 0
     deadline = time.monotonic() + 120

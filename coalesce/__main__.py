@@ -21,9 +21,40 @@ import msgspec
 from coalesce.demo import PUBLISHERS, run_demo
 from coalesce.workload import WorkloadConfig
 
+DESCRIPTION = "kv-coalesce: the seed-scenario demo, and a subscriber for KV-event streams."
+SUBSCRIBE_EPILOG = """examples:
+  a publisher bound with endpoint="tcp://*:5557" (vLLM's default), replay on 5558:
+    coalesce subscribe tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558
+  a publisher given endpoint="tcp://127.0.0.1:5557" connects (vLLM's rule), so bind here:
+    coalesce subscribe --bind tcp://127.0.0.1:5557
+  two DP ranks (ports are offset by rank):
+    coalesce subscribe tcp://127.0.0.1:5557 tcp://127.0.0.1:5558
+"""
+
+
+def _quiet_hint(endpoints: list[str], bind: bool, after: float) -> str:
+    if bind:
+        return (
+            f"kv-coalesce: nothing received on {', '.join(endpoints)} for {after:g} s: "
+            "this subscriber binds there; is the publisher's endpoint this address "
+            "(a publisher connects only when its endpoint names a host)?"
+        )
+    return (
+        f"kv-coalesce: nothing received from {', '.join(endpoints)} for {after:g} s. "
+        "This subscriber connects: the publisher must be bound there (endpoint "
+        '"tcp://*:PORT"). A publisher given "tcp://HOST:PORT" connects instead (vLLM\'s rule); '
+        "then run: coalesce subscribe --bind tcp://HOST:PORT"
+    )
+
 
 def subscribe(
-    endpoints: list[str], replays: list[str], topic: str, as_json: bool, seconds: float | None
+    endpoints: list[str],
+    replays: list[str],
+    topic: str,
+    as_json: bool,
+    seconds: float | None,
+    bind: bool = False,
+    warn_after: float = 5.0,
 ) -> int:
     """Follow publishers; print live counters (or JSON lines); a summary on Ctrl-C."""
     from coalesce.subscriber import Source, Subscriber
@@ -42,17 +73,30 @@ def subscribe(
         }
         print(msgspec.json.encode(line).decode(), flush=True)
 
-    sub = Subscriber(endpoints, reps, topic=topic, on_batch=print_batch if as_json else None)
-    deadline = None if seconds is None else time.monotonic() + seconds
+    sub = Subscriber(
+        endpoints, reps, topic=topic, on_batch=print_batch if as_json else None, bind=bind
+    )
+    start = time.monotonic()
+    deadline = None if seconds is None else start + seconds
+    warned = False
     try:
         while deadline is None or time.monotonic() < deadline:
             sub.poll(0.2)
+            if not warned and time.monotonic() - start > warn_after:
+                warned = True
+                if not any(s.messages or s.bad_messages for s in sub.sources):
+                    print(
+                        ("\n" if not as_json else "") + _quiet_hint(endpoints, bind, warn_after),
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if not as_json:
                 s = sub.summary()
                 kinds = " ".join(f"{k}={v}" for k, v in sorted(s["events"].items()))
                 print(
                     f"\rmessages={s['messages']} {kinds} gaps={s['gaps']} "
                     f"replays={s['replays']} resets={s['resets']} "
+                    f"bad={s['bad_messages']} partial={s['partial_sources']} "
                     f"index={s['index_size']}   ",
                     end="",
                     flush=True,
@@ -67,7 +111,7 @@ def subscribe(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="coalesce", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="coalesce", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the seed scenario: vLLM's publisher, the drop fix and ours")
     defaults = WorkloadConfig()
@@ -82,21 +126,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument(
         "--gpu-us", type=float, default=defaults.step_gpu_us, help="GPU wait per step, GIL released"
     )
-    d.add_argument("--burst-every", type=int, default=defaults.burst_every)
-    d.add_argument("--burst-length", type=int, default=defaults.burst_length)
-    d.add_argument("--burst-requests", type=int, default=defaults.burst_requests)
+    d.add_argument(
+        "--burst-every", type=int, default=defaults.burst_every, help="steps between bursts"
+    )
+    d.add_argument(
+        "--burst-length", type=int, default=defaults.burst_length, help="steps each burst lasts"
+    )
+    d.add_argument(
+        "--burst-requests",
+        type=int,
+        default=defaults.burst_requests,
+        help="long unique prompts per burst step",
+    )
     d.add_argument("--queue", type=int, default=100, help="max_queue_size for all publishers")
     d.add_argument("--out", default="results", help="where demo.json and demo.png go")
     d.add_argument("--only", choices=PUBLISHERS, action="append", help="run only these")
-    s = sub.add_parser("subscribe", help="follow publishers: live counters, or JSON lines")
-    s.add_argument("endpoint", nargs="+", help="PUB endpoint(s), e.g. tcp://127.0.0.1:5557")
+    s = sub.add_parser(
+        "subscribe",
+        help="follow publishers: live counters, or JSON lines",
+        epilog=SUBSCRIBE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument(
+        "endpoint", nargs="+", help="publisher endpoint(s), one per DP rank (see the examples)"
+    )
+    s.add_argument(
+        "--bind", action="store_true", help="bind ENDPOINT(s): for publishers that connect"
+    )
     s.add_argument("--replay", action="append", default=[], help="replay endpoint, per ENDPOINT")
     s.add_argument("--topic", default="", help="topic prefix to subscribe to")
     s.add_argument("--json", action="store_true", help="one JSON line per batch")
     s.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    s.add_argument(
+        "--warn-after",
+        type=float,
+        default=5.0,
+        help="seconds with nothing received before saying why that may be (default 5)",
+    )
     args = parser.parse_args(argv)
     if args.command == "subscribe":
-        return subscribe(args.endpoint, args.replay, args.topic, args.json, args.seconds)
+        return subscribe(
+            args.endpoint,
+            args.replay,
+            args.topic,
+            args.json,
+            args.seconds,
+            bind=args.bind,
+            warn_after=args.warn_after,
+        )
     try:
         cfg = replace(
             WorkloadConfig(),

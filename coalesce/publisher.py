@@ -52,6 +52,27 @@ class PublishOutcome(enum.Enum):
     subscribers as a sequence gap."""
 
 
+def _log_endpoints(endpoint: str, replay: str | None) -> None:
+    """Say once where this publisher is, and warn about vLLM's connect rule."""
+    bind = is_bind_endpoint(endpoint)
+    log.info(
+        "kv-coalesce: publishing on %s (%s)%s",
+        endpoint,
+        "bound: subscribers connect here" if bind else "connecting to a subscriber bound there",
+        "" if replay is None else f"; replay on {replay} (bound)",
+    )
+    if not bind and endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        log.warning(
+            "kv-coalesce: endpoint %s names a host, so (vLLM's rule) the publisher connects "
+            "to it instead of binding: a subscriber must bind there (coalesce subscribe "
+            "--bind %s), or use tcp://*:%s to let subscribers connect to the publisher",
+            endpoint,
+            endpoint,
+            port,
+        )
+
+
 def _collected(sender: Sender) -> None:
     """The finaliser of a publisher dropped without ``shutdown()``: stop its thread."""
     if sender.alive and not sender.closed:
@@ -136,6 +157,7 @@ class CoalescingPublisher:
                 router.close(linger=0)
             raise
 
+        _log_endpoints(pub_ep, replay_ep)
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,

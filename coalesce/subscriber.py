@@ -258,7 +258,9 @@ class Subscriber:
     applied (live or replayed); its events are the index's views
     (:class:`IndexStored`, :class:`IndexRemoved`, :class:`IndexMoved`,
     :class:`IndexCleared`: hashes, parent, medium, group), whatever the
-    encoding; use :func:`decode_batch` on a payload for full events.  Not
+    encoding; use :func:`decode_batch` on a payload for full events.  With
+    ``bind``, the SUB sockets bind ``endpoints`` instead of connecting (for a
+    publisher whose endpoint names a host, which connects: vLLM's rule).  Not
     thread-safe: use it from one thread.
     """
 
@@ -274,6 +276,7 @@ class Subscriber:
         rcvhwm: int | None = None,
         on_batch: Callable[[Source, int, float, list[Any], int | None], None] | None = None,
         context: zmq.Context[Any] | None = None,
+        bind: bool = False,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if replay_endpoints is None or isinstance(replay_endpoints, str):
@@ -298,7 +301,10 @@ class Subscriber:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             if rcvhwm is not None:
                 sock.setsockopt(zmq.RCVHWM, rcvhwm)
-            sock.connect(ep)
+            if bind:
+                sock.bind(ep)
+            else:
+                sock.connect(ep)
             self._poller.register(sock, zmq.POLLIN)
             self._socks.append(sock)
             self.sources.append(Source(ep, rep, SubscriberModel(mode)))

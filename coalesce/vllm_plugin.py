@@ -5,10 +5,12 @@ vLLM calls :func:`register` once in every process (API server, each
 EngineCore, each worker) before the scheduler builds its publisher.
 
 It does nothing unless ``COALESCE_KV_EVENTS=1``, and nothing (without
-importing vLLM) when vLLM is absent.  It is idempotent, logs once per process
-what it did and with which settings, and :func:`unregister` puts vLLM's own
-publisher back.  ``KVEventsConfig`` forbids extra keys, so the publisher's
-own knobs come from ``COALESCE_*`` variables (see docs/vllm.md).
+importing vLLM) when vLLM is absent.  Once active, publishers it builds pass
+``isinstance(pub, ZmqEventPublisher)`` (a virtual subclass of vLLM's ABC).
+It is idempotent, logs once per process what it did and with which
+settings, and :func:`unregister` puts vLLM's own publisher back.
+``KVEventsConfig`` forbids extra keys, so the publisher's own knobs come
+from ``COALESCE_*`` variables (see docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -80,6 +82,21 @@ def _adopt_vllm_logging() -> None:
     ours.propagate = False
 
 
+def _register_as_vllm_publisher() -> None:
+    """Make ``isinstance(pub, ZmqEventPublisher)`` (and ``EventPublisher``) true.
+
+    vLLM's publisher classes are ABCs, so :class:`~coalesce.CoalescingPublisher`
+    becomes a virtual subclass: nothing of vLLM's is inherited or run, and
+    vLLM is only imported here, when the plugin is active.  ABCs cannot forget
+    a registration, so after :func:`unregister` it stays true in this process.
+    """
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from coalesce.publisher import CoalescingPublisher
+
+    ZmqEventPublisher.register(CoalescingPublisher)
+
+
 def register() -> None:
     """The plugin entry point.  Idempotent; cheap when disabled."""
     global _original
@@ -98,6 +115,7 @@ def register() -> None:
 
     _original = registry.get("zmq")
     registry["zmq"] = create_publisher
+    _register_as_vllm_publisher()
     log.info(
         "kv-coalesce: vLLM's 'zmq' KV-event publisher is now coalesce.CoalescingPublisher "
         "(pid %d); settings from COALESCE_*: %s",

@@ -90,3 +90,58 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
     assert ours["silent"] == 0
     assert ours["missing"] + ours["stale"] == 0 or ours["resets"] > 0
     assert ours["events_on_wire"] <= ours["events_in"]
+
+
+def test_subscribe_says_why_nothing_arrives():
+    port = free_port()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coalesce",
+            "subscribe",
+            f"tcp://127.0.0.1:{port}",
+            "--json",
+            "--seconds",
+            "3",
+            "--warn-after",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "nothing received" in run.stderr and "--bind" in run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["summary"]["messages"] == 0
+
+
+def test_the_endpoint_trap_is_named_and_bind_gets_the_stream(caplog):
+    """A publisher given tcp://127.0.0.1:PORT connects (vLLM's rule): say so; --bind works."""
+    from coalesce.subscriber import Subscriber
+
+    port = free_port()
+    with Subscriber(f"tcp://127.0.0.1:{port}", bind=True) as sub:
+        with caplog.at_level("INFO", logger="coalesce"):
+            pub = CoalescingPublisher(endpoint=f"tcp://127.0.0.1:{port}")
+        try:
+            assert f"publishing on tcp://127.0.0.1:{port} (connecting" in caplog.text
+            assert f"use tcp://*:{port}" in caplog.text and "--bind" in caplog.text
+            i = 0
+            while sub.sources[0].last_seq is None:  # tcp: publish until it hears one
+                pub.publish(
+                    KVEventBatch(float(i), [BlockStored([i], None, [], 4, None, "GPU", None)])
+                )
+                sub.poll(0.02)
+                i += 1
+                assert i < 2000, "a bound subscriber never heard a connecting publisher"
+        finally:
+            pub.shutdown()
+
+
+def test_a_bound_publisher_says_where_without_a_warning(caplog):
+    with caplog.at_level("INFO", logger="coalesce"):
+        pub = CoalescingPublisher(endpoint=f"tcp://*:{free_port()}")
+    pub.shutdown()
+    assert "(bound: subscribers connect here)" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

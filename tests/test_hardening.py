@@ -203,9 +203,16 @@ def deliver(sub: Subscriber, ep: str, messages: list[list[bytes]], until: int) -
 
 
 enc = msgspec.msgpack.encode
-store_map = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
-             "token_ids": [], "block_size": 2, "lora_id": None, "medium": "GPU",
-             "lora_name": None}  # fmt: skip
+store_map = {
+    "type": "BlockStored",
+    "block_hashes": [1],
+    "parent_block_hash": None,
+    "token_ids": [],
+    "block_size": 2,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+}
 BAD_PAYLOADS = {
     "not msgpack": b"\xc1\xc1\xc1",
     "not an array": enc({"ts": 1.0}),
@@ -334,8 +341,9 @@ def test_non_reading_replay_clients_pin_a_bounded_amount_of_memory():
     try:
         payload = list(range(2500))  # ~10 kB per message once encoded
         for i in range(2000):
-            pub.publish(KVEventBatch(float(i), [BlockStored([i], None, payload, 2500, None,
-                                                            "GPU", None)]))  # fmt: skip
+            pub.publish(
+                KVEventBatch(float(i), [BlockStored([i], None, payload, 2500, None, "GPU", None)])
+            )
             if i % 200 == 0:
                 assert pub.flush(30)
         assert pub.flush(30)

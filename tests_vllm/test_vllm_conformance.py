@@ -93,6 +93,28 @@ def test_plugin_swaps_the_zmq_publisher(enabled, made):
     assert isinstance(pub, CoalescingPublisher)
 
 
+def test_event_publisher_factory_shape(enabled, made):
+    """vLLM's own factory test, through the plugin: null cases, default, DP offsets, classes."""
+    assert isinstance(vk.EventPublisherFactory.create(None), vk.NullEventPublisher)
+    off = KVEventsConfig(enable_kv_cache_events=False, publisher="zmq")
+    assert isinstance(vk.EventPublisherFactory.create(off), vk.NullEventPublisher)
+    null = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    assert isinstance(vk.EventPublisherFactory.create(null), vk.NullEventPublisher)
+
+    port = free_port()
+    pub = create(made, endpoint=f"tcp://*:{port}")
+    assert isinstance(pub, vk.ZmqEventPublisher) and isinstance(pub, vk.EventPublisher)
+    assert isinstance(pub, CoalescingPublisher)
+    assert pub.get_publisher_config().endpoint == f"tcp://*:{port}"
+    ranked = create(made, rank=1, endpoint=f"tcp://*:{port}")
+    assert isinstance(ranked, vk.ZmqEventPublisher)
+    assert ranked.get_publisher_config().endpoint == f"tcp://*:{port + 1}"
+    # publishing through the vLLM-typed handle works as vLLM's scheduler uses it
+    ranked.publish(vbatch(vstore(1)))
+    assert ranked.flush(10)
+    assert ranked.stats().messages_sent == 1
+
+
 def test_plugin_is_idempotent_and_reversible(enabled, made):
     plugin.register()
     plugin.register()
