@@ -12,6 +12,14 @@ publishing it cannot make the sender's counters (or the sender) fail.
 Loss is recorded in order: when ``offer()`` refuses a batch it remembers it,
 and the next batch it accepts is preceded by a ``LOSS`` marker, so the sender
 skips a sequence number exactly where the loss happened.
+
+Two budgets, as in vLLM plus one: ``max_batches`` (vLLM's ``max_queue_size``)
+bounds the batches in the hand-off deque, ``max_events`` bounds the events
+not yet sent.  Under pressure the sender moves what is in the deque to a
+staging deque of its own (:meth:`stage`, O(1) per batch), in order, so the
+batch budget is only reached by a sender that cannot run at all, where vLLM's
+blocking queue would merely have made the engine wait; staged events still
+count against ``max_events``, the memory bound.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ class Backlog:
 
     def __init__(self, max_batches: int, max_events: int) -> None:
         # items: (batch, n_events) or LOSS
-        self._q: deque[Any] = deque()
+        self._q: deque[Any] = deque()  # the hand-off: engine appends, sender pops
+        self._staged: deque[Any] = deque()  # the sender's own, taken from before _q
         self.max_batches = max_batches
         self.max_events = max_events
         # written by the engine thread
@@ -54,8 +63,9 @@ class Backlog:
         self.peak = 0
         self._unmarked_loss = False
         # written by the sender thread
-        self.batches_out = 0
-        self.events_out = 0
+        self.batches_out = 0  # batches that left the hand-off deque (staged or taken)
+        self.events_out = 0  # events taken for sending
+        self.staged = 0  # batches in the staging deque
 
     # -- engine thread -------------------------------------------------------
 
@@ -98,68 +108,104 @@ class Backlog:
         """From now on :meth:`offer` refuses every batch (the sender has stopped for good)."""
         self.max_batches = 0
 
+    def stage(self) -> int:
+        """Move everything in the hand-off deque to the staging deque, in order.
+
+        O(items moved), each a ``popleft`` and an ``append``: the batch budget
+        is freed, the events stay counted.  Returns the batches moved.
+        """
+        q, staged = self._q, self._staged
+        moved = 0
+        for _ in range(len(q)):
+            item = q.popleft()
+            staged.append(item)
+            if item is not LOSS:
+                moved += 1
+        self.batches_out += moved
+        self.staged += moved
+        return moved
+
+    def _source(self) -> deque[Any]:
+        return self._staged if self._staged else self._q
+
+    def _took(self, src: deque[Any], batches: int, events: int) -> None:
+        if src is self._staged:
+            self.staged -= batches
+        else:
+            self.batches_out += batches
+        self.events_out += events
+
     def take_one(self) -> tuple[Any, int] | _Loss:
         """Pop the oldest item: ``(batch, events)`` or ``LOSS``.  O(1).  Must not be empty."""
-        item = self._q.popleft()
+        src = self._source()
+        item = src.popleft()
         if item is not LOSS:
-            self.batches_out += 1
-            self.events_out += item[1]
+            self._took(src, 1, item[1])
         return item  # type: ignore[no-any-return]
 
     def take(self, max_events: int) -> list[Any] | _Loss:
         """Pop batches holding up to ``max_events`` events (at least one batch).
 
         Stops before a ``LOSS`` marker; if the oldest item is one, pops and
-        returns ``LOSS``.  O(batches taken).  The backlog must not be empty.
+        returns ``LOSS``.  Takes from the staging deque while it has anything,
+        then from the hand-off deque.  O(batches taken).  Must not be empty.
         """
-        q = self._q
-        if q[0] is LOSS:
-            return q.popleft()  # type: ignore[no-any-return]
+        src = self._source()
+        if src[0] is LOSS:
+            return src.popleft()  # type: ignore[no-any-return]
         out: list[Any] = []
         events = 0
-        while q and q[0] is not LOSS:
-            n = q[0][1]
+        while src and src[0] is not LOSS:
+            n = src[0][1]
             if out and events + n > max_events:
                 break
-            out.append(q.popleft()[0])
+            out.append(src.popleft()[0])
             events += n
-        self.batches_out += len(out)
-        self.events_out += events
+        self._took(src, len(out), events)
         return out
 
     def drain(self) -> tuple[int, int]:
         """Discard what is left (shutdown past its deadline); return (batches, events)."""
         batches = events = 0
-        while self._q:
-            item = self._q.popleft()
-            if item is not LOSS:
-                batches += 1
-                events += item[1]
-        self.batches_out += batches
-        self.events_out += events
+        for src in (self._staged, self._q):
+            n = e = 0
+            while src:
+                item = src.popleft()
+                if item is not LOSS:
+                    n += 1
+                    e += item[1]
+            self._took(src, n, e)
+            batches, events = batches + n, events + e
         return batches, events
 
     # -- any thread ----------------------------------------------------------
 
     def __len__(self) -> int:
-        """Items waiting (batches and markers).  O(1)."""
-        return len(self._q)
+        """Items waiting, staged or not (batches and markers).  O(1)."""
+        return len(self._q) + len(self._staged)
 
     @property
     def pending(self) -> int:
-        """Batches published and not yet taken by the sender.  O(1)."""
+        """Batches in the hand-off deque (what ``max_batches`` bounds).  O(1)."""
         return self.batches_in - self.batches_out
 
     @property
+    def waiting(self) -> int:
+        """Batches not yet taken for sending: in the hand-off deque or staged.  O(1)."""
+        return self.batches_in - self.batches_out + self.staged
+
+    @property
     def pending_events(self) -> int:
-        """Events in those batches.  O(1)."""
+        """Events in those batches (what ``max_events`` bounds).  O(1)."""
         return self.events_in - self.events_out
 
     def check(self) -> None:
         """Assert the invariants (tests call it after every mutation).  O(items)."""
-        items = [x for x in self._q if x is not LOSS]
-        assert len(items) == self.pending >= 0, "counters match the queue"
-        assert sum(n for _, n in items) == self.pending_events >= 0
+        queued = [x for x in self._q if x is not LOSS]
+        staged = [x for x in self._staged if x is not LOSS]
+        assert len(queued) == self.pending >= 0, "counters match the hand-off deque"
+        assert len(staged) == self.staged >= 0, "counters match the staging deque"
+        assert sum(n for _, n in queued + staged) == self.pending_events >= 0
         # refuse_all() sets the batch budget to 0 with batches still queued
         assert self.pending <= self.max_batches or self.max_batches == 0, "the batch budget"
         assert self.pending_events <= self.max_events, "the event budget holds"

@@ -264,7 +264,7 @@ class Sender:
         """Replay messages this step may send: fewer while the live stream is behind."""
         assert self.replay is not None
         chunk = self.replay.chunk
-        return chunk if self._backlog.pending <= self._settings.high_watermark else chunk // 8
+        return chunk if self._backlog.waiting <= self._settings.high_watermark else chunk // 8
 
     def _step(self, flushing: bool) -> None:
         """One bounded unit of work: a 1:1 send, or one compaction window.
@@ -276,10 +276,16 @@ class Sender:
         the rules loses ground (more events pending after it than before), or
         more than ``fold_only_events`` are pending: fold only, in 4x larger
         windows, which drains at encoding speed, until the backlog is back
-        under the watermark.  Past the budget, ``publish()`` drops.
+        under the watermark.  Past ``high_watermark`` batches in the hand-off
+        deque, the sender first moves them to its staging deque, so that the
+        batch budget (vLLM's ``max_queue_size``) is reached only by a sender
+        that cannot run; the event budget still counts them.  Past a budget,
+        ``publish()`` drops.
         """
         backlog, settings = self._backlog, self._settings
-        waiting, events_before = backlog.pending, backlog.pending_events
+        if backlog.pending > settings.high_watermark:
+            backlog.stage()  # under pressure: free the batch budget (O(1) per batch)
+        waiting, events_before = backlog.waiting, backlog.pending_events
         level = Level.ONE_TO_ONE
         if settings.compaction and (flushing or waiting > settings.high_watermark):
             escalate = flushing or self._escalated or events_before > settings.fold_only_events

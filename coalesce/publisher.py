@@ -10,9 +10,10 @@ This module is the caller's side: configuration, ``publish()``, ``stats()``,
 ``flush()`` and ``shutdown()``.  ``publish()`` does O(1) work on the caller's
 thread and never waits for the sender.  The sender sends each batch as it is
 (byte-identical to vLLM) while the backlog is at most ``high_watermark``
-batches; above it, it compacts.  Only when the budget (``max_queue_size``
-batches, ``max_pending_events`` events) is spent does ``publish()`` drop, and
-the next message sent after a loss skips a sequence number.
+batches; above it, it compacts.  Only when a budget (``max_queue_size``
+batches in the hand-off, ``max_pending_events`` events not yet sent) is spent
+does ``publish()`` drop, and the next message sent after a loss skips a
+sequence number.
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ class CoalescingPublisher:
     ``COALESCE_*`` variables.  Unknown keywords (from a newer vLLM) are
     accepted and ignored.
 
-    ``max_queue_size`` is the hard cap in *batches* published but not yet taken
-    by the sender, as vLLM's queue counts batches; ``max_pending_events`` caps
-    events the same way.  Raises ``ValueError`` for a bad setting or endpoint
+    ``max_queue_size`` is the hard cap in *batches* waiting in the hand-off to
+    the sender, as vLLM's queue counts batches; under pressure the sender
+    moves them out of it (O(1) each), so only a sender that cannot run at all
+    reaches it.  ``max_pending_events`` caps the events not yet sent: the
+    memory bound.  Raises ``ValueError`` for a bad setting or endpoint
     and ``OSError`` when an endpoint cannot be bound or connected.
 
     A publisher that is garbage-collected without :meth:`shutdown` stops its
@@ -286,7 +289,8 @@ class CoalescingPublisher:
             events_in=b.events_in,
             batches_dropped=b.batches_dropped + t.abandoned_batches,
             events_dropped=b.events_dropped + t.abandoned_events,
-            backlog_batches=b.pending,
+            backlog_batches=b.waiting,
+            backlog_events=b.pending_events,
             backlog_peak=b.peak,
             sender_alive=s.alive,
             **t.published(),

@@ -56,8 +56,13 @@ class PublisherStats:
     fold_only_passes: int = _counter(
         "Of those, steps that only folded because the backlog outran the rules."
     )
-    backlog_batches: int = _gauge("Batches waiting for the sender right now.")
-    backlog_peak: int = _gauge("The largest backlog_batches seen by publish().")
+    backlog_batches: int = _gauge("Batches waiting for the sender right now (staged or not).")
+    backlog_events: int = _gauge(
+        "Events waiting for the sender right now (what max_pending_events bounds)."
+    )
+    backlog_peak: int = _gauge(
+        "The most batches publish() saw in the hand-off queue (what max_queue_size bounds)."
+    )
     sender_alive: bool = _gauge(
         "1 while the sender thread runs; 0 after shutdown() or after it failed."
     )

@@ -31,6 +31,8 @@ def test_seeded_stress_keeps_invariants_and_order(seed):
         elif len(b) and op < 0.97:
             got = b.take(rng.randint(1, 40))
             seen.extend([got] if got is LOSS else got)
+        elif op < 0.985:
+            b.stage()
         elif op < 0.99:
             b.mark_pending_loss()
         else:
@@ -69,4 +71,19 @@ def test_refuse_all_refuses_every_later_batch():
     b.refuse_all()
     assert not b.offer(KVEventBatch(1.0, [None]), 1)
     assert (b.batches_dropped, b.events_dropped, b.pending) == (1, 1, 1)
+    b.check()
+
+
+def test_staging_frees_the_batch_budget_not_the_event_budget():
+    b = Backlog(max_batches=2, max_events=10)
+    batches = [KVEventBatch(float(i), [None] * 2) for i in range(6)]
+    assert b.offer(batches[0], 2) and b.offer(batches[1], 2)
+    assert not b.offer(batches[2], 2)  # two batches in the hand-off: full
+    assert b.stage() == 2 and b.pending == 0 and b.waiting == 2
+    assert b.offer(batches[3], 2) and b.offer(batches[4], 2)
+    assert not b.offer(batches[5], 4)  # 8 + 4 events > 10: the memory bound holds
+    b.check()
+    # order is kept across the two deques, the loss marker included
+    got = [b.take_one() for _ in range(len(b))]
+    assert got == [(batches[0], 2), (batches[1], 2), LOSS, (batches[3], 2), (batches[4], 2)]
     b.check()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from typing import Any
 
@@ -224,6 +225,27 @@ def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     assert msgs[0][1] == 0 and set(steps) <= {1, 2}, "a loss skips exactly one seq"
     assert steps.count(2) == st.seq_gaps, "every loss episode is visible, and only those"
     assert steps[-1] == 2, "the batch after the loss comes after a gap"
+
+
+def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(pubs, make_sub):
+    """vLLM's queue of 8 would block this engine; coalesce's batch budget of 8 must not drop.
+
+    Each step publishes a batch that takes the sender longer to send than the
+    engine's "GPU wait" lasts, so the sender falls further behind every step.
+    """
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, max_queue_size=8, high_watermark=1)
+    big = [store(i, i - 1 if i else None) for i in range(10_000)]
+    for step in range(40):
+        assert p.publish(batch(*big, ts=float(step))) is PublishOutcome.QUEUED
+        time.sleep(0.0002)  # the GPU wait: the only time the sender can run
+    assert p.flush(60)
+    st = p.stats()
+    assert st.batches_dropped == 0 and st.seq_gaps == 0
+    assert st.backlog_peak <= 8
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    assert sum(len(decode(m[2]).events) for m in msgs) == st.events_sent
 
 
 def test_event_budget_counts_events(pubs):
