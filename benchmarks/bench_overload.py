@@ -15,35 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import time
 from dataclasses import replace
 
-import msgspec
-import zmq
-
-from coalesce.demo import PUBLISHERS, run_publisher
-from coalesce.events import KVEventBatch
-from coalesce.workload import Engine, WorkloadConfig
-
-
-def stock_capacity_per_step(cfg: WorkloadConfig) -> float:
-    """Events the stock sender's per-batch work (encode + send_multipart) covers in one GPU wait."""
-    probe = replace(cfg, steps=cfg.burst_length + 1)
-    engine = Engine(probe, 0)
-    batches = [KVEventBatch(0.0, engine.step(), 0) for _ in range(probe.steps)]
-    sock = zmq.Context.instance().socket(zmq.PUB)
-    sock.bind(f"inproc://capacity-{os.getpid()}")
-    enc = msgspec.msgpack.Encoder()
-    t0 = time.perf_counter()
-    for i, b in enumerate(batches):
-        sock.send_multipart((b"", i.to_bytes(8, "big"), enc.encode(b)))
-    rate = sum(len(b.events) for b in batches) / (time.perf_counter() - t0)
-    sock.close(linger=0)
-    t0 = time.perf_counter()
-    for _ in range(200):
-        time.sleep(cfg.step_gpu_us / 1e6)
-    gpu_wait = (time.perf_counter() - t0) / 200
-    return rate * gpu_wait
+from coalesce.demo import PUBLISHERS, run_publisher, stock_capacity_per_step
+from coalesce.workload import WorkloadConfig
 
 
 def main() -> None:

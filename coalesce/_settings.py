@@ -77,7 +77,7 @@ class Settings:
     """Fold and compact under backpressure; off: always 1:1 (still never blocks)."""
     move_events: bool = _knob(False, parse_flag)
     """Emit the opt-in ``BlockMoved`` event (only for subscribers that know it)."""
-    max_pending_events: int = _knob(1_000_000, _positive_int)
+    max_pending_events: int = _knob(2_000_000, _positive_int)
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = _knob(512, _positive_int)
     """Events one compaction step takes (bounds each GIL hold of the sender)."""

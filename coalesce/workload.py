@@ -36,7 +36,7 @@ _Block = tuple[int, "int | None", tuple[int, ...]]  # (hash, parent, tokens)
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """Scale knobs.  The defaults run the three-publisher demo in well under a minute."""
+    """Scale knobs.  The defaults are the demo's (``coalesce demo`` sizes burst_requests)."""
 
     ranks: int = 2
     steps: int = 1500
@@ -47,8 +47,8 @@ class WorkloadConfig:
     block_size: int = 16
     gpu_blocks: int = 1024
     cpu_blocks: int = 4096
-    burst_every: int = 750
-    burst_length: int = 250
+    burst_every: int = 1500
+    burst_length: int = 200
     burst_requests: int = 16
     burst_blocks: int = 96
     clear_every: int = 0

@@ -71,6 +71,9 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
             "40",
             "--burst-requests",
             "8",
+            "--burst-length",
+            "5",
+            "--no-sizing",
             "--out",
             str(tmp_path),
         ],
@@ -145,3 +148,27 @@ def test_a_bound_publisher_says_where_without_a_warning(caplog):
     pub.shutdown()
     assert "(bound: subscribers connect here)" in caplog.text
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_bursts_are_sized_to_the_event_budget_and_the_drain_rate_is_measured():
+    from dataclasses import replace
+
+    from coalesce._settings import Settings
+    from coalesce.demo import BUDGET_SHARE, size_bursts
+    from coalesce.workload import WorkloadConfig
+
+    small = replace(
+        WorkloadConfig(),
+        gpu_blocks=256,
+        cpu_blocks=512,
+        burst_blocks=48,
+        burst_requests=2,
+        burst_length=50,
+    )
+    cfg, drain = size_bursts(small)
+    per_step = cfg.burst_requests * (3 * small.burst_blocks + 1)
+    bound = BUDGET_SHARE * Settings().max_pending_events / small.burst_length
+    assert bound - (3 * small.burst_blocks + 1) < per_step <= bound
+    assert drain > 0
+    loaded, drain2 = size_bursts(small, load=2.0)
+    assert loaded.burst_requests == max(1, int(2.0 * drain2 // (3 * small.burst_blocks + 1)))
