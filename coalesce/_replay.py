@@ -122,6 +122,7 @@ class ReplayService:
         self._monitor: zmq.Socket[bytes] | None = sock.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
+        self._steps = 0
         self.clients = 0
         """Open tcp/ipc connections to the ROUTER, as its monitor last reported."""
         self.requests = 0
@@ -156,6 +157,9 @@ class ReplayService:
         """
         did = False
         sock = self._sock
+        self._steps += 1
+        if not self._steps & 63:  # keep the monitor's pipe drained, requests or not
+            self._count_clients()
         for _ in range(16):  # requests read per step: bounded too
             if not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 break
@@ -198,7 +202,7 @@ class ReplayService:
         self._waiting.append((frames[0], int.from_bytes(frames[2], "big")))
 
     def _count_clients(self) -> None:
-        """Apply the monitor's connection events (only when a request needs the count)."""
+        """Apply the monitor's connection events: before each request, and every 64 steps."""
         mon = self._monitor
         if mon is None:
             return

@@ -136,6 +136,9 @@ class CoalescingPublisher:
         knobs = Settings.names()
         # keywords that are not knobs come from a newer vLLM: accepted and ignored
         self.settings = Settings.resolve(**{k: v for k, v in keywords.items() if k in knobs})
+        ignored = sorted(set(keywords) - knobs)
+        if ignored:
+            log.info("kv-coalesce: ignoring keywords this version does not know: %s", ignored)
         self._rank = data_parallel_rank
         topic_b = topic.encode("utf-8")
         pub_ep = offset_endpoint(endpoint, data_parallel_rank)

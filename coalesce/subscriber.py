@@ -393,7 +393,7 @@ class Subscriber:
         got: list[tuple[int, bytes]] | None = None
         if src.replay_endpoint is not None and until - start <= self._max_replay:
             got = self._replay(src, start, until)
-        complete = bool(got) and got[0][0] == start and got[-1][0] == until - 1  # type: ignore[index]
+        complete = bool(got and got[0][0] == start and got[-1][0] == until - 1)
         if not complete:
             if first:
                 src.partial = True

@@ -405,3 +405,36 @@ def test_replay_connections_over_the_cap_are_refused_and_counted():
         for d in dealers:
             d.close()
         pub.shutdown()
+
+
+def test_the_connection_cap_frees_up_when_clients_leave():
+    port = free_port()
+    pub = CoalescingPublisher(
+        endpoint=inproc("pub"), replay_endpoint=f"tcp://127.0.0.1:{port}", replay_max_clients=3
+    )
+    try:
+        pub.publish(KVEventBatch(0.0, [good(1)]))
+        assert pub.flush(10)
+        crowd = []
+        for _ in range(10):  # more connections than the cap; none of them asks
+            d = zmq.Context.instance().socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(f"tcp://127.0.0.1:{port}")
+            crowd.append(d)
+        replay = pub._sender.replay
+        assert replay is not None
+        wait_for(lambda: replay.clients == 10, what="the monitor to count the crowd")
+        for d in crowd:
+            d.close()
+        wait_for(lambda: replay.clients == 0, what="the monitor to see them go")
+        d = zmq.Context.instance().socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            d.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert d.poll(10_000), "a client under the cap is answered"
+            assert pub.stats().replay_refused == 0
+        finally:
+            d.close()
+    finally:
+        pub.shutdown()

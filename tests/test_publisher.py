@@ -339,12 +339,14 @@ def test_bad_endpoints_fail_at_construction():
         first.shutdown()
 
 
-def test_settings_come_from_keywords_then_environment(monkeypatch):
+def test_settings_come_from_keywords_then_environment(monkeypatch, caplog):
     monkeypatch.setenv("COALESCE_HIGH_WATERMARK", "3")
     monkeypatch.setenv("COALESCE_MOVE_EVENTS", "yes")
-    p = CoalescingPublisher(endpoint=inproc("pub"), high_watermark=9, future_vllm_knob=1)
+    with caplog.at_level("INFO", logger="coalesce"):
+        p = CoalescingPublisher(endpoint=inproc("pub"), high_watermark=9, future_vllm_knob=1)
     try:
         assert p.settings.high_watermark == 9 and p.settings.move_events is True
+        assert "ignoring keywords this version does not know: ['future_vllm_knob']" in caplog.text
     finally:
         p.shutdown()
     monkeypatch.setenv("COALESCE_MAX_PENDING_EVENTS", "lots")
