@@ -324,6 +324,12 @@ class Sender:
         self._in_flight = (len(window), backlog.events_out - taken_events)
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
             level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
+        if level == Level.FOLD_ONLY and len(window) == 1:
+            # nothing to fold: compact() would only classify every event to return it
+            self._send_one(window[0], self._in_flight[1])
+            self.done += 1
+            self._in_flight = (0, 0)
+            return
         try:
             out, rep = compact(
                 window, move_events=settings.move_events, fold_only=level == Level.FOLD_ONLY
