@@ -122,9 +122,9 @@ class CoalescingPublisher:
             ("buffer_steps", buffer_steps),
             ("hwm", hwm),
             ("max_queue_size", max_queue_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        ):  # 0 is allowed, with vLLM's meaning: no replay buffer, no HWM, no queue limit
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
         if (
@@ -172,7 +172,9 @@ class CoalescingPublisher:
             max_queue_size=max_queue_size,
             topic=topic,
         )
-        self._backlog = Backlog(max_queue_size, self.settings.max_pending_events)
+        # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
+        batch_budget = max_queue_size or sys.maxsize
+        self._backlog = Backlog(batch_budget, self.settings.max_pending_events)
         self._batch_types: set[type] = set()
         self._sender = Sender(
             pub=pub,

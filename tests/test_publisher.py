@@ -379,3 +379,24 @@ def test_flush_waits_for_the_sender_and_reports_a_timeout(pubs):
     assert p.flush(10) is True
     st = p.stats()
     assert st.backlog_batches == 0 and st.events_sent == 200
+
+
+def test_zero_means_what_it_means_in_vllm(make_sub):
+    """hwm=0: no HWM; max_queue_size=0: vLLM's unbounded queue; buffer_steps=0: no replay."""
+    ep, rep = inproc("pub"), inproc("replay")
+    sub = make_sub(ep, replay=rep)
+    p = CoalescingPublisher(
+        endpoint=ep, replay_endpoint=rep, hwm=0, max_queue_size=0, buffer_steps=0
+    )
+    try:
+        with held(p):
+            for i in range(500):  # the batch count is not what bounds it now
+                assert p.publish(batch(store(i))) is PublishOutcome.QUEUED
+        assert p.flush(10)
+        assert sub.recv_until_seq(p.stats().messages_sent - 1)
+        assert sub.replay(0) == []  # nothing buffered, as vLLM's deque(maxlen=0)
+    finally:
+        p.shutdown()
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="int >= 0"):
+            CoalescingPublisher(endpoint=inproc("pub"), hwm=bad)
