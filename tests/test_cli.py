@@ -13,20 +13,16 @@ from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
 from tests.conftest import free_port
 
 
+def cli(*args: str) -> list[str]:
+    """The command line a user types: ``coalesce ARGS...``, with this interpreter."""
+    return [sys.executable, "-m", "coalesce", *args]
+
+
 def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
     port = free_port()
     pub = CoalescingPublisher(endpoint=f"tcp://*:{port}", compaction=False)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "coalesce",
-            "subscribe",
-            f"tcp://127.0.0.1:{port}",
-            "--json",
-            "--seconds",
-            "60",
-        ],
+        cli("subscribe", f"tcp://127.0.0.1:{port}", "--json", "--seconds", "60"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -58,10 +54,7 @@ def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
 
 def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coalesce",
+        cli(
             "demo",
             "--ranks",
             "1",
@@ -76,7 +69,7 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
             "--no-sizing",
             "--out",
             str(tmp_path),
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=300,
@@ -98,10 +91,7 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
 def test_subscribe_says_why_nothing_arrives():
     port = free_port()
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "coalesce",
+        cli(
             "subscribe",
             f"tcp://127.0.0.1:{port}",
             "--json",
@@ -109,7 +99,7 @@ def test_subscribe_says_why_nothing_arrives():
             "3",
             "--warn-after",
             "0.5",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=60,
