@@ -17,7 +17,12 @@ import os
 import platform
 from dataclasses import replace
 
-from coalesce.demo import PUBLISHERS, run_publisher, stock_capacity_per_step
+from coalesce.demo import (
+    PUBLISHERS,
+    events_per_request,
+    run_publisher,
+    stock_capacity_per_step,
+)
 from coalesce.workload import WorkloadConfig
 
 
@@ -27,9 +32,7 @@ def main() -> None:
     ap.add_argument("--queue", type=int, default=100)
     args = ap.parse_args()
     base = replace(WorkloadConfig(), ranks=1, steps=500, burst_every=500, burst_length=120)
-    # Once the pools are full, a burst request is one chained GPU store plus, per
-    # block, a GPU eviction, its CPU copy and a CPU eviction.
-    per_request = 3 * base.burst_blocks + 1
+    per_request = events_per_request(base)
     cap = stock_capacity_per_step(base)
     from coalesce._baselines import REAL_VLLM
 

@@ -114,6 +114,10 @@ class Totals:
         for field, stat in _RULE_STATS:
             setattr(self, stat, getattr(self, stat) + getattr(report, field))
 
+    def add_abandoned(self, batches: int, events: int) -> None:
+        self.abandoned_batches += batches
+        self.abandoned_events += events
+
     def published(self) -> dict[str, int]:
         """The counters that are ``PublisherStats`` fields as they are."""
         return {f.name: getattr(self, f.name) for f in _PUBLISHED}
@@ -310,10 +314,7 @@ class Sender:
                 self._skip_pending = True
                 return
             assert isinstance(item, tuple)
-            self._in_flight = (1, item[1])
-            self._send_one(item[0], item[1])
-            self.done += 1
-            self._in_flight = (0, 0)
+            self._send_taken(item[0], item[1])
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
         window = backlog.take(step)
@@ -326,9 +327,7 @@ class Sender:
             level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
-            self._send_one(window[0], self._in_flight[1])
-            self.done += 1
-            self._in_flight = (0, 0)
+            self._send_taken(window[0], self._in_flight[1])
             return
         try:
             out, rep = compact(
@@ -336,8 +335,7 @@ class Sender:
             )
         except Exception as exc:  # a value the rules cannot handle: send the window as given
             self._compaction_failed(exc)
-            for b in window:
-                self._send_one(b, _n_events(b))
+            self._send_each(window)
         else:
             if self._send_all(out, window):
                 self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
@@ -361,12 +359,23 @@ class Sender:
         try:
             payloads = [self._encoder.encode(b) for b in batches]
         except Exception:
-            for b in originals:
-                self._send_one(b, _n_events(b))
+            self._send_each(originals)
             return False
         for b, payload in zip(batches, payloads, strict=True):
             self._emit(payload, _n_events(b))
         return True
+
+    def _send_taken(self, batch: Any, n_events: int) -> None:
+        """Send one batch taken from the backlog on its own, and finish with it."""
+        self._in_flight = (1, n_events)
+        self._send_one(batch, n_events)
+        self.done += 1
+        self._in_flight = (0, 0)
+
+    def _send_each(self, batches: list[Any]) -> None:
+        """Send batches one by one as they were given (each encodes, or is lost visibly)."""
+        for b in batches:
+            self._send_one(b, _n_events(b))
 
     def _send_one(self, batch: Any, n_events: int) -> None:
         """Encode and send one batch; a batch the encoder rejects is lost, visibly."""
@@ -416,8 +425,7 @@ class Sender:
 
     def _abandon(self, why: str) -> None:
         batches, events = self._backlog.drain()
-        self.totals.abandoned_batches += batches
-        self.totals.abandoned_events += events
+        self.totals.add_abandoned(batches, events)
         self.done += batches
         if batches:
             self._skip_pending = True
@@ -450,8 +458,7 @@ class Sender:
         # then it is counted twice, never zero times).
         batches, events = self._in_flight
         self._in_flight = (0, 0)
-        self.totals.abandoned_batches += batches
-        self.totals.abandoned_events += events
+        self.totals.add_abandoned(batches, events)
         self.done += batches
         try:
             self._skip_pending = True

@@ -44,6 +44,7 @@ __all__ = [
     "PublisherResult",
     "size_bursts",
     "conclusions",
+    "events_per_request",
     "run_demo",
     "run_publisher",
     "stock_capacity_per_step",
@@ -107,6 +108,21 @@ BUDGET_SHARE = 0.8
 """The share of coalesce's default event budget one burst may fill if nothing drained."""
 
 
+def events_per_request(cfg: WorkloadConfig) -> int:
+    """Events one burst request adds to a step once the pools are full: one chained GPU
+    store plus, per block, a GPU eviction, its CPU copy and a CPU eviction."""
+    return 3 * cfg.burst_blocks + 1
+
+
+def _steady_bursts(cfg: WorkloadConfig, steps: int) -> list[list[Any]]:
+    """``steps`` burst steps' events, after the first burst has filled the pools."""
+    from coalesce.workload import Engine
+
+    engine = Engine(replace(cfg, steps=steps + 1, burst_every=1, burst_length=1), 0)
+    engine.step()
+    return [engine.step() for _ in range(steps)]
+
+
 def size_bursts(cfg: WorkloadConfig, load: float | None = None) -> tuple[WorkloadConfig, float]:
     """Size the bursts, and measure what vLLM's publisher drains per step here.
 
@@ -120,9 +136,7 @@ def size_bursts(cfg: WorkloadConfig, load: float | None = None) -> tuple[Workloa
     from coalesce._settings import Settings
 
     cap = stock_drain_per_step(cfg)
-    # Once the pools are full, a burst request is one chained GPU store plus, per
-    # block, a GPU eviction, its CPU copy and a CPU eviction.
-    per_request = 3 * cfg.burst_blocks + 1
+    per_request = events_per_request(cfg)
     if load is None:
         target = BUDGET_SHARE * Settings().max_pending_events / max(1, cfg.burst_length)
     else:
@@ -142,15 +156,11 @@ def stock_drain_per_step(cfg: WorkloadConfig, steps: int = 120) -> float:
     """
     from coalesce._baselines import StockPublisher
     from coalesce.events import KVEventBatch
-    from coalesce.workload import Engine
 
-    probe = replace(cfg, steps=steps + 1, burst_every=1, burst_length=1)  # every step a burst
-    engine = Engine(probe, 0)
-    engine.step()  # the first burst fills the pools; the rest are steady-state bursts
-    batches = [engine.step() for _ in range(steps)]
+    batches = _steady_bursts(cfg, steps)
     size = sum(map(len, batches)) / steps
     endpoint = f"inproc://drain-{os.getpid()}-{time.monotonic_ns()}"
-    pub = StockPublisher(0, endpoint=endpoint, max_queue_size=10 * steps)  # fmt: skip
+    pub = StockPublisher(0, endpoint=endpoint, max_queue_size=10 * steps)
     try:
         start = time.perf_counter()
         for events in batches:
@@ -174,11 +184,8 @@ def stock_capacity_per_step(cfg: WorkloadConfig) -> float:
     import zmq
 
     from coalesce.events import KVEventBatch
-    from coalesce.workload import Engine
 
-    probe = replace(cfg, steps=61, burst_every=1, burst_length=1)  # every step a burst
-    engine = Engine(probe, 0)
-    batches = [KVEventBatch(0.0, engine.step(), 0) for _ in range(probe.steps)][1:]
+    batches = [KVEventBatch(0.0, events, 0) for events in _steady_bursts(cfg, 60)]
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     sock.bind(f"inproc://capacity-{os.getpid()}-{time.monotonic_ns()}")
     enc = msgspec.msgpack.Encoder()
@@ -632,7 +639,7 @@ def run_demo(
         f"{cfg.burst_length} steps every {cfg.burst_every}, max_queue_size={queue}"
     )
     if cap is not None:
-        offered = cfg.burst_requests * (3 * cfg.burst_blocks + 1)
+        offered = cfg.burst_requests * events_per_request(cfg)
         print(
             f"a burst step offers {offered:,} events: {offered / cap:.1f}x what vLLM's "
             f"publisher drains per step on this machine now ({cap:,.0f}, measured)"

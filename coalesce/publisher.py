@@ -322,9 +322,9 @@ class CoalescingPublisher:
         """Wait until every batch accepted so far is sent (or counted lost).
 
         Returns False if that took longer than ``timeout`` seconds, or if the
-        sender stopped before it was done.  This one *does* block the caller (polling every
-        millisecond): it is for tests and orderly hand-offs, never for the
-        engine's step loop.
+        sender stopped before it was done.  This one *does* block the caller
+        (polling every millisecond): it is for tests and orderly hand-offs,
+        never for the engine's step loop.
         """
         target = self._backlog.batches_in
         deadline = time.monotonic() + timeout
@@ -358,8 +358,7 @@ class CoalescingPublisher:
         # sender is gone, so account for it here (the sender no longer writes totals).
         batches, events = self._backlog.drain()
         if batches:
-            sender.totals.abandoned_batches += batches
-            sender.totals.abandoned_events += events
+            sender.totals.add_abandoned(batches, events)
             log.warning("kv-coalesce: %d batches published during shutdown were not sent", batches)
 
     def __enter__(self) -> CoalescingPublisher:
