@@ -10,7 +10,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 .PHONY: demo test test-vllm lint bench clean
 
-$(STAMP): pyproject.toml
+# setup.py builds the optional C accelerator in place; a C change reinstalls.
+$(STAMP): pyproject.toml setup.py coalesce/_ccompact.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,plot]'
@@ -22,7 +23,7 @@ demo: $(STAMP)            ## the main job: a burst through the publisher, with s
 test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis)
 	$(BIN)/python -m pytest -q
 
-$(VLLM_STAMP): pyproject.toml requirements/vllm-conformance.txt
+$(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c requirements/vllm-conformance.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q -r requirements/vllm-conformance.txt
@@ -42,6 +43,7 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_overload.py
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_drain.py
+	$(BIN)/python benchmarks/bench_compact.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so

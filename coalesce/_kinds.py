@@ -14,7 +14,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["CLEARED", "OPAQUE", "REMOVED", "STORED", "event_kind", "is_kv_batch"]
+__all__ = [
+    "CLEARED",
+    "OPAQUE",
+    "REMOVED",
+    "STORED",
+    "event_kind",
+    "event_kind_of_class",
+    "is_kv_batch",
+]
 
 OPAQUE, STORED, REMOVED, CLEARED = 0, 1, 2, 3
 """Event kinds returned by :func:`event_kind`."""

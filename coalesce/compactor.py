@@ -41,15 +41,37 @@ and rebuilt events, nothing proportional to anything but the window.
 from __future__ import annotations
 
 import operator
+import os
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from types import ModuleType
 from typing import Any
 
 import msgspec
 
-from coalesce._kinds import CLEARED, REMOVED, STORED, event_kind, is_kv_batch
+from coalesce._kinds import (
+    CLEARED,
+    OPAQUE,
+    REMOVED,
+    STORED,
+    event_kind,
+    event_kind_of_class,
+    is_kv_batch,
+)
 from coalesce.events import BlockMoved, BlockStored
+
+_accel: ModuleType | None
+"""The optional C accelerator (coalesce/_ccompact.c), or None: not built, or
+disabled by setting ``COALESCE_NO_ACCEL=1``.  Either way the results are the same."""
+try:
+    if os.environ.get("COALESCE_NO_ACCEL"):
+        raise ImportError("disabled by COALESCE_NO_ACCEL")
+    from coalesce import _ccompact
+
+    _accel = _ccompact
+except ImportError:
+    _accel = None
 
 __all__ = ["CompactionReport", "compact", "rule_stats"]
 
@@ -445,6 +467,59 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
 
 
 def _compact_events(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:
+    """Rules 2 to 6 on one folded group: in C when the accelerator takes the window."""
+    if _accel is not None and not move_events:
+        result = _accelerated(events)
+        if result is not None:
+            out, superseded, cancelled, merged = result
+            counts["superseded"] += superseded
+            counts["cancelled"] += cancelled
+            counts["merged"] += merged
+            return out
+    return _compact_events_py(events, move_events, counts)
+
+
+def _is_kv_batch(batch: Any) -> bool:
+    """:func:`coalesce._kinds.is_kv_batch`, answered in C for classes the accelerator knows."""
+    if _accel is not None:
+        events = batch.events
+        if type(events) is list and _accel.all_known(events):
+            return True
+    return is_kv_batch(batch)
+
+
+def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
+    """The C rules' result, or None for a window they decline.  O(events + hashes).
+
+    The first window holding a class unknown to the accelerator registers it
+    (once per class; at most one extra call per distinct class).
+    """
+    assert _accel is not None
+    while True:
+        result = _accel.compact_events(events)
+        if not isinstance(result, type):
+            return result  # type: ignore[no-any-return]
+        names: tuple[str, ...] = result.__struct_fields__  # type: ignore[attr-defined]
+        _accel.register(result, _accel_kind(result), tuple(names))
+
+
+def _accel_kind(cls: type) -> int:
+    """The kind the accelerator may treat ``cls`` as: OPAQUE (decline) unless its
+    instances can be rebuilt by ``__copy__`` and a field write exactly as
+    ``msgspec.structs.replace`` would (no ``__post_init__``, no cached hash)."""
+    kind = event_kind_of_class(cls)
+    config = getattr(cls, "__struct_config__", None)
+    if (
+        hasattr(cls, "__post_init__")
+        or getattr(config, "cache_hash", False)
+        or getattr(cls, "__copy__", None) is not msgspec.Struct.__copy__  # type: ignore[attr-defined]
+    ):
+        return OPAQUE
+    return kind
+
+
+def _compact_events_py(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:
+    """Rules 2 to 6 in Python: the specification, and the accelerator's oracle."""
     events = _supersede(events, counts)
     if events and event_kind(events[0]) == CLEARED:
         # A run of clears is one clear; only the last one survived _supersede.
@@ -502,7 +577,7 @@ def compact(
         first = batches[i]
         events_in += len(first.events)
         groups += 1
-        if not is_kv_batch(first):
+        if not _is_kv_batch(first):
             out.append(first)
             i += 1
             continue
@@ -511,7 +586,7 @@ def compact(
             j < n
             and type(batches[j]) is type(first)
             and batches[j].data_parallel_rank == first.data_parallel_rank
-            and is_kv_batch(batches[j])
+            and _is_kv_batch(batches[j])
         ):
             events_in += len(batches[j].events)
             j += 1

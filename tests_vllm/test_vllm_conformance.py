@@ -213,6 +213,26 @@ def test_compacted_stream_decodes_with_vllms_types_and_keeps_state(enabled, made
         assert SubscriberModel(mode).apply_batches(received).state() == want, mode
 
 
+def test_vllms_classes_take_the_c_rules_and_match_the_python_ones():
+    """vLLM's own event classes are read by the accelerator (field slots found from
+    vLLM's declarations, not ours), with the pure-Python rules as the oracle."""
+    from collections import Counter
+
+    from coalesce import compactor
+
+    if compactor._accel is None:
+        pytest.skip("the C accelerator is not built")
+    events = [e for i in range(300) for e in offload(i).events]
+    events += [vk.AllBlocksCleared(), *offload(301).events, vk.BlockRemoved([302], "GPU")]
+    taken = compactor._accelerated(list(events))
+    assert taken is not None, "vLLM's classes were declined"
+    counts: Counter[str] = Counter()
+    expected = compactor._compact_events_py(list(events), False, counts)
+    assert taken[0] == expected
+    assert {type(e) for e in taken[0]} <= {vk.BlockStored, vk.BlockRemoved, vk.AllBlocksCleared}
+    assert taken[1:] == (counts["superseded"], counts["cancelled"], counts["merged"])
+
+
 # -- vLLM's own publisher scenarios, in our words, through vLLM's factory ---------------
 
 

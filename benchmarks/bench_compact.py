@@ -1,0 +1,173 @@
+"""Compaction's price: compact + encode against encoding the raw window, per event.
+
+For each workload, the windows the sender's rules level would take (batches in
+publish order until ``--window`` events, the default ``max_events_per_step``)
+go through four paths, timed in alternation and reported as medians:
+
+- ``raw``: every batch encoded on its own (what vLLM's sender encodes);
+- ``fold``: ``compact(fold_only=True)``, then encode (the sender under pressure);
+- ``rules C``: ``compact()`` with the C accelerator, then encode;
+- ``rules py``: ``compact()`` with the pure-Python rules, then encode.
+
+The target (issue 8) is ``rules C`` at most 1.0x ``raw`` with events at most
+0.5x and bytes at most 0.8x of raw.  Output: a markdown table for
+docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/bench_compact.py [--seconds 0.4] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_publish import make_batch
+
+from coalesce import compactor
+from coalesce.events import KVEventBatch
+from coalesce.workload import Engine, WorkloadConfig
+
+Window = list[Any]
+
+
+def windows_of(batches: list[Any], limit: int) -> list[Window]:
+    """Consecutive batches, cut once a window holds ``limit`` events (as Backlog.take)."""
+    out: list[Window] = []
+    cur: Window = []
+    n = 0
+    for b in batches:
+        cur.append(b)
+        n += len(b.events)
+        if n >= limit:
+            out.append(cur)
+            cur, n = [], 0
+    return out
+
+
+def seed_batches(burst: bool, steps: int) -> list[Any]:
+    """The demo's workload (one rank): a burst of long prompts, or the steady state."""
+    cfg = WorkloadConfig(burst_every=400 if burst else 10**9, burst_length=200)
+    eng = Engine(cfg)
+    out = []
+    for i in range(steps):
+        events = eng.step()
+        if i >= 300 and events:  # past the warm-up that fills an empty cache
+            out.append(KVEventBatch(ts=float(i), events=events, data_parallel_rank=0))
+    return out
+
+
+def workloads(limit: int) -> dict[str, list[Window]]:
+    return {
+        "seed burst": windows_of(seed_batches(True, 800), limit)[:60],
+        "seed steady": windows_of(seed_batches(False, 1500), limit)[:60],
+        "offload ~100/batch": windows_of([make_batch(i, 33) for i in range(400)], limit)[:60],
+        "offload ~20/batch": windows_of([make_batch(i, 7) for i in range(2000)], limit)[:60],
+    }
+
+
+def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
+    accel = compactor._accel
+
+    def raw(w: Window) -> Any:
+        return [enc.encode(b) for b in w]
+
+    def fold(w: Window) -> Any:
+        return [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
+
+    def rules_c(w: Window) -> Any:
+        compactor._accel = accel
+        return [enc.encode(b) for b in compactor.compact(w)[0]]
+
+    def rules_py(w: Window) -> Any:
+        compactor._accel = None
+        try:
+            return [enc.encode(b) for b in compactor.compact(w)[0]]
+        finally:
+            compactor._accel = accel
+
+    paths = {"raw": raw, "fold": fold, "rules C": rules_c, "rules py": rules_py}
+    if accel is None:
+        del paths["rules C"]
+    return paths
+
+
+def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
+    """Median seconds per event of each path; paths alternate within each round."""
+    enc = msgspec.msgpack.Encoder()
+    paths = _paths(enc)
+    events = sum(len(b.events) for w in windows for b in w)
+    for fn in paths.values():  # warm up (and register classes with the accelerator)
+        for w in windows[:3]:
+            fn(w)
+    t0 = time.perf_counter()
+    for w in windows:
+        paths["raw"](w)
+    reps = max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))
+    samples: dict[str, list[float]] = {k: [] for k in paths}
+    for r in range(rounds):
+        order = list(paths) if r % 2 == 0 else list(reversed(paths))
+        for name in order:
+            n = max(1, reps // 20) if name == "rules py" else reps
+            t0 = time.perf_counter()
+            for _ in range(n):
+                for w in windows:
+                    paths[name](w)
+            samples[name].append((time.perf_counter() - t0) / (n * events))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def volume(windows: list[Window]) -> tuple[float, float]:
+    """Events and bytes after the rules, over the raw windows'."""
+    enc = msgspec.msgpack.Encoder()
+    ev_in = ev_out = b_in = b_out = 0
+    for w in windows:
+        out, rep = compactor.compact(w)
+        ev_in += rep.events_in
+        ev_out += rep.events_out
+        b_in += sum(len(enc.encode(b)) for b in w)
+        b_out += sum(len(enc.encode(b)) for b in out)
+    return ev_out / ev_in, b_out / b_in
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--window", type=int, default=512, help="events per window")
+    ap.add_argument("--seconds", type=float, default=0.4, help="per path per round")
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    print(
+        f"# bench_compact: {platform.python_version()}, msgspec {msgspec.__version__}, "
+        f"accelerator {'built' if compactor._accel is not None else 'MISSING'}, "
+        f"window {args.window} events, {args.rounds} rounds x {args.seconds} s, medians\n"
+    )
+    print(
+        "| workload | batches/window | raw encode ns/event | fold+enc | rules C+enc "
+        "| rules py+enc | events out | bytes out |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    gc.collect()
+    for name, windows in workloads(args.window).items():
+        per = measure(windows, args.seconds, args.rounds)
+        events, nbytes = volume(windows)
+        raw = per["raw"]
+        c = f"{per['rules C'] / raw:.2f}x" if "rules C" in per else "n/a"
+        bpw = statistics.mean(len(w) for w in windows)
+        print(
+            f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | "
+            f"{per['rules py'] / raw:.1f}x | {events:.2f} | {nbytes:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The C accelerator against its oracle, the pure-Python rules.
+
+For any window, ``_compact_events`` (C when it takes the window) must return
+what ``_compact_events_py`` returns: equal events in the same order, the very
+same objects where the rules changed nothing, and the same rule counts.  The
+windows here are wider than the model tests' (bytes and 64-bit hashes, a
+second family of classes with other field orders and an extra field,
+unsplittable stores, values the accelerator must decline), and windows built
+only from values it accepts must really be taken by it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections import Counter
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coalesce import compactor
+from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from tests.streams import batch_lists
+
+if compactor._accel is None:
+    if os.environ.get("COALESCE_REQUIRE_ACCEL"):
+        pytest.fail(
+            "the C accelerator (coalesce/_ccompact.c) was not built, and "
+            "COALESCE_REQUIRE_ACCEL is set: is a C compiler with Python headers installed?",
+            pytrace=False,
+        )
+    pytest.skip("the C accelerator is not built (pure-Python rules only)", allow_module_level=True)
+
+
+# A second family, shaped like another library's: other field order, an extra field.
+class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class OtherStored(_Event, tag="BlockStored"):
+    medium: str | None
+    block_hashes: list[Any]
+    block_size: int
+    parent_block_hash: Any
+    token_ids: list[int]
+    lora_id: int | None = None
+    lora_name: str | None = None
+    note: str | None = None
+
+
+class OtherRemoved(_Event, tag="BlockRemoved"):
+    medium: str | None
+    block_hashes: list[Any]
+    note: str | None = None
+
+
+class OtherCleared(_Event, tag="AllBlocksCleared"):
+    pass
+
+
+class WithPostInit(_Event, tag="BlockRemoved"):
+    """Rebuilt by msgspec.structs.replace, which calls __post_init__: declined."""
+
+    block_hashes: list[Any]
+    medium: str | None
+
+    def __post_init__(self) -> None:
+        pass
+
+
+BIG = 2**64 - 1
+INT_POOL = [0, 1, 2, 3, 7, 2**31, 2**62 + 5, BIG]  # 1, 2 and 3 digits, and the edge
+BYTES_POOL = [b"\x00" * 8, b"\x01" * 8, b"\x02" * 32, b""]
+
+# Mostly a few values, so that keys collide (the rules only act on collisions).
+ints = st.one_of(st.sampled_from([1, 2, 3]), st.sampled_from(INT_POOL))
+media = st.sampled_from(["GPU", "GPU", "GPU", "CPU", None])
+groups = st.sampled_from([None, None, None, None, 0, 1])
+BLOCK = 2
+
+
+@st.composite
+def a_store(draw: Any, hashes: Any, other: bool) -> Any:
+    hs = draw(st.lists(hashes, min_size=1, max_size=3))
+    parent = draw(st.one_of(st.none(), hashes))
+    tok = draw(st.sampled_from(["none", "right", "wrong"]))
+    tokens = {"none": [], "right": [9] * (BLOCK * len(hs)), "wrong": [9]}[tok]
+    medium = draw(media)
+    lora = draw(st.sampled_from([None, None, 1]))
+    if other:
+        return OtherStored(
+            medium, hs, BLOCK, parent, tokens, lora, None, draw(st.sampled_from([None, "x"]))
+        )
+    extra = draw(st.sampled_from(["none", "right", "wrong"]))
+    extra_keys = {"none": None, "right": [("k", i) for i in range(len(hs))], "wrong": [("k",)] * 5}[
+        extra
+    ]
+    look = draw(st.sampled_from([None, "right"]))
+    return BlockStored(
+        block_hashes=hs,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BLOCK,
+        lora_id=lora,
+        medium=medium,
+        lora_name=None,
+        extra_keys=extra_keys,
+        group_idx=draw(groups),
+        locality=draw(st.sampled_from([None, None, "local"])),
+        lookahead_token_ids=None if look is None else [[1]] * len(hs),
+    )
+
+
+@st.composite
+def a_removal(draw: Any, hashes: Any, other: bool) -> Any:
+    hs = draw(st.lists(hashes, min_size=0, max_size=3))
+    if other:
+        return OtherRemoved(draw(media), hs, draw(st.sampled_from([None, "x"])))
+    return BlockRemoved(
+        block_hashes=hs,
+        medium=draw(media),
+        group_idx=draw(groups),
+        ownership=draw(st.sampled_from([None, None, "mine"])),
+    )
+
+
+def event_lists(hashes: Any) -> Any:
+    """Windows of both families mixed, from values the accelerator accepts."""
+    one = st.one_of(
+        st.booleans().flatmap(lambda o: a_store(hashes, o)),
+        st.booleans().flatmap(lambda o: a_store(hashes, o)),
+        st.booleans().flatmap(lambda o: a_removal(hashes, o)),
+        st.sampled_from([AllBlocksCleared(), OtherCleared()]),
+    )
+    return st.lists(one, max_size=40)
+
+
+# Values the accelerator declines (the Python rules decide what they mean).
+odd_values = st.sampled_from([-1, 2**64, 2**70, 1.0, True, "h", (1,)])
+
+
+@st.composite
+def declined_windows(draw: Any) -> list[Any]:
+    events: list[Any] = draw(event_lists(ints))
+    bad = draw(st.sampled_from(["hash", "parent", "tuple hashes", "lora list", "post_init"]))
+    odd = draw(odd_values)
+    if bad == "hash":
+        events.append(BlockRemoved(block_hashes=[odd], medium="GPU"))
+    elif bad == "parent":
+        events.append(BlockStored([1], odd, [], BLOCK, None, "GPU", None))
+    elif bad == "tuple hashes":
+        events.append(BlockRemoved(block_hashes=(1, 2), medium="GPU"))  # type: ignore[arg-type]
+    elif bad == "lora list":
+        events.append(BlockStored([1], None, [], BLOCK, [1], "GPU", None))  # type: ignore[arg-type]
+    else:
+        events.append(WithPostInit([1], "GPU"))
+    return draw(st.permutations(events))
+
+
+def both(events: list[Any]) -> tuple[list[Any], Counter[str], list[Any], Counter[str]]:
+    c_counts: Counter[str] = Counter()
+    py_counts: Counter[str] = Counter()
+    out_c = compactor._compact_events(list(events), False, c_counts)
+    out_py = compactor._compact_events_py(list(events), False, py_counts)
+    return out_c, c_counts, out_py, py_counts
+
+
+def assert_same(events: list[Any]) -> None:
+    before = copy.deepcopy(events)
+    out_c, c_counts, out_py, py_counts = both(events)
+    assert out_c == out_py
+    assert [type(e) for e in out_c] == [type(e) for e in out_py]
+    assert +c_counts == +py_counts
+    given_ids = {id(e) for e in events}
+    for a, b in zip(out_c, out_py, strict=True):
+        # the same untouched object, or both rebuilt
+        assert a is b or (id(a) not in given_ids and id(b) not in given_ids)
+    assert events == before, "the accelerator must never modify its input"
+
+
+@given(event_lists(ints))
+def test_int_hashes_match_the_python_rules(events: list[Any]) -> None:
+    assert compactor._accelerated(list(events)) is not None, "an accepted window was declined"
+    assert_same(events)
+
+
+@given(event_lists(st.sampled_from(BYTES_POOL)))
+def test_bytes_hashes_match_the_python_rules(events: list[Any]) -> None:
+    assert compactor._accelerated(list(events)) is not None
+    assert_same(events)
+
+
+@given(batch_lists())
+def test_model_streams_match_the_python_rules(batches: list[KVEventBatch]) -> None:
+    events = [e for b in batches for e in b.events]
+    assert compactor._accelerated(list(events)) is not None
+    assert_same(events)
+
+
+@given(declined_windows())
+def test_declined_windows_give_the_python_result(events: list[Any]) -> None:
+    """Whatever the accelerator declines, the caller's result is still the oracle's."""
+    try:
+        expected: Any = compactor._compact_events_py(list(events), False, Counter())
+    except Exception as exc:  # the Python rules reject it: so must the caller
+        with pytest.raises(type(exc)):
+            compactor._compact_events(list(events), False, Counter())
+        return
+    assert compactor._compact_events(list(events), False, Counter()) == expected
+
+
+def test_a_long_offload_run_is_taken_and_matches() -> None:
+    """The demo's pattern at the window size the sender uses: chains, tier moves, evictions."""
+    events: list[Any] = []
+    for h in range(1, 400):
+        events.append(BlockStored([h], h - 1 if h > 1 else None, [h] * 16, 16, None, "GPU", None))
+        if h > 64:
+            events.append(BlockRemoved([h - 64], "GPU"))
+            events.append(
+                BlockStored([h - 64], h - 65 if h > 65 else None, [0] * 16, 16, None, "CPU", None)
+            )
+    assert compactor._accelerated(list(events)) is not None
+    assert_same(events)
+    out, _ = compactor.compact([KVEventBatch(ts=1.0, events=events)])
+    assert sum(len(b.events) for b in out) < len(events)
+
+
+def test_a_cancel_that_would_orphan_a_child_is_not_made() -> None:
+    events = [
+        BlockRemoved([5], "GPU"),
+        BlockStored([5], None, [], BLOCK, None, "GPU", None),
+        BlockStored([6], 5, [], BLOCK, None, "GPU", None),
+        BlockRemoved([5], "GPU"),
+    ]
+    assert_same(events)
+    counts: Counter[str] = Counter()
+    compactor._compact_events(list(events), False, counts)
+    assert counts["cancelled"] == 0
+
+
+def test_no_references_leak() -> None:
+    """Every object the accelerator touches has the same reference count after 200 calls."""
+    events = [
+        BlockStored([10, 11], None, [1, 2, 3, 4], BLOCK, None, "GPU", None),
+        BlockStored([12], 11, [5, 6], BLOCK, None, "GPU", None),
+        BlockRemoved([10], "GPU"),
+        BlockRemoved([12], "GPU"),
+        BlockStored([12], 11, [5, 6], BLOCK, None, "GPU", None),
+    ]
+    watched = [*events, *(e.block_hashes for e in events), events[0].token_ids]
+    counts = [sys.getrefcount(o) for o in watched]
+    for _ in range(200):
+        result = compactor._accelerated(list(events))
+        assert result is not None
+        del result
+    assert [sys.getrefcount(o) for o in watched] == counts
+
+
+def test_is_kv_batch_answered_in_c_only_for_known_classes() -> None:
+    batch = KVEventBatch(ts=0.0, events=[BlockRemoved([1], "GPU")])
+    compactor.compact([batch, batch])  # registers the class
+    assert compactor._accel is not None
+    assert compactor._accel.all_known(batch.events) is True
+
+    class Unknown(msgspec.Struct, tag="SomethingElse"):
+        x: int = 0
+
+    assert compactor._accel.all_known([Unknown()]) is None
+    assert not compactor._is_kv_batch(KVEventBatch(ts=0.0, events=[Unknown()]))
