@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from coalesce import compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from coalesce.workload import Engine, WorkloadConfig
 from tests.streams import batch_lists
 
 if compactor._accel is None:
@@ -227,6 +228,24 @@ def test_a_long_offload_run_is_taken_and_matches() -> None:
     assert_same(events)
     out, _ = compactor.compact([KVEventBatch(ts=1.0, events=events)])
     assert sum(len(b.events) for b in out) < len(events)
+
+
+def test_the_demo_workload_is_taken_and_matches() -> None:
+    """The demo's engine model (bursts, evictions, offload, clears), cut as the sender cuts it."""
+    cfg = WorkloadConfig(
+        steps=160, gpu_blocks=256, cpu_blocks=512, prefix_blocks=16, burst_every=40,
+        burst_length=20, burst_blocks=32, clear_every=70,
+    )  # fmt: skip
+    engine = Engine(cfg)
+    window: list[Any] = []
+    windows = 0
+    for _ in range(cfg.steps):
+        window += engine.step()
+        if len(window) >= 512:
+            assert compactor._accelerated(list(window)) is not None
+            assert_same(window)
+            window, windows = [], windows + 1
+    assert windows >= 3
 
 
 def test_a_cancel_that_would_orphan_a_child_is_not_made() -> None:
