@@ -8,7 +8,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: demo test test-vllm lint bench clean
+.PHONY: demo test test-vllm lint bench check-c clean
 
 # setup.py builds the optional C accelerator in place; a C change reinstalls.
 $(STAMP): pyproject.toml setup.py coalesce/_ccompact.c
@@ -37,6 +37,14 @@ test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 
 lint: $(STAMP)            ## ruff + mypy --strict
 	$(BIN)/ruff check coalesce tests tests_vllm benchmarks
 	$(BIN)/mypy
+
+SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
+check-c: $(STAMP)         ## the C accelerator under ASan and UBSan (compaction and fuzz suites)
+	CFLAGS="-g $(SAN)" LDFLAGS="$(SAN)" $(BIN)/python -m pip install -q --no-deps -e .
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	$(BIN)/python -m pytest -q tests/test_accel.py tests/test_fuzz.py tests/test_compactor.py; \
+	status=$$?; $(BIN)/python -m pip install -q --no-deps -e .; exit $$status
 
 bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmarks.md
 	$(BIN)/python benchmarks/bench_publish.py

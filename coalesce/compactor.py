@@ -73,7 +73,7 @@ try:
 except ImportError:
     _accel = None
 
-__all__ = ["CompactionReport", "compact", "rule_stats"]
+__all__ = ["CompactionReport", "accelerated", "compact", "rule_stats"]
 
 # Fields that hold one entry per block, or describe the chain: they are what a
 # chain merge concatenates, so they are not part of the "all other fields equal" test.
@@ -477,6 +477,11 @@ def _compact_events(events: list[Any], move_events: bool, counts: Counter[str]) 
             counts["merged"] += merged
             return out
     return _compact_events_py(events, move_events, counts)
+
+
+def accelerated() -> bool:
+    """True when :func:`compact` runs its rules in C (the optional accelerator).  O(1)."""
+    return _accel is not None
 
 
 def _is_kv_batch(batch: Any) -> bool:

@@ -35,6 +35,7 @@ from coalesce._backlog import Backlog
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
+from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
 __all__ = ["CoalescingPublisher", "PublishOutcome"]
@@ -61,6 +62,12 @@ def _log_endpoints(endpoint: str, replay: str | None) -> None:
         endpoint,
         "bound: subscribers connect here" if bind else "connecting to a subscriber bound there",
         "" if replay is None else f"; replay on {replay} (bound)",
+    )
+    log.info(
+        "kv-coalesce: compaction rules run in %s",
+        "C (the optional accelerator)"
+        if accelerated()
+        else "Python: the C accelerator is not built (or COALESCE_NO_ACCEL is set)",
     )
     if not bind and endpoint.startswith("tcp://"):
         port = endpoint.rpartition(":")[2]
@@ -298,6 +305,7 @@ class CoalescingPublisher:
             backlog_events=b.pending_events,
             backlog_peak=b.peak,
             sender_alive=s.alive,
+            compactor_accelerated=accelerated(),
             **t.published(),
             **(r.published() if r is not None else ReplayService.NOTHING),
         )

@@ -66,6 +66,10 @@ class PublisherStats:
     sender_alive: bool = _gauge(
         "1 while the sender thread runs; 0 after shutdown() or after it failed."
     )
+    compactor_accelerated: bool = _gauge(
+        "1 when the compaction rules run in C (the optional accelerator was built); "
+        "0 when they run in Python (same results, slower)."
+    )
     replay_requests: int = _counter("Well-formed replay requests accepted.")
     replay_invalid: int = _counter("Replay requests ignored (wrong frame count or seq length).")
     replay_refused: int = _counter(
