@@ -30,17 +30,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loads", default="1,2,5,10,20")
     ap.add_argument("--queue", type=int, default=100)
+    ap.add_argument(
+        "--batch-events",
+        type=int,
+        default=0,
+        help="publish each step as batches of at most this many events (0: one per step)",
+    )
     args = ap.parse_args()
-    base = replace(WorkloadConfig(), ranks=1, steps=500, burst_every=500, burst_length=120)
+    base = replace(
+        WorkloadConfig(),
+        ranks=1,
+        steps=500,
+        burst_every=500,
+        burst_length=120,
+        batch_events=args.batch_events,
+    )
     per_request = events_per_request(base)
     cap = stock_capacity_per_step(base)
+    n = base.batch_events
+    shape = f"batches of at most {n} events" if n else "one batch per step"
     from coalesce._baselines import REAL_VLLM
 
     print(
         f"# overload sweep\n\nmachine: {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}; stock publisher: "
         f"{'real vLLM' if REAL_VLLM else 're-implementation'}; one rank, {base.steps} steps, "
-        f"a burst of {base.burst_length} steps; max_queue_size={args.queue}; stock sender "
+        f"a burst of {base.burst_length} steps; "
+        f"{shape}; "
+        f"max_queue_size={args.queue}; stock sender "
         f"capacity {cap:,.0f} events per GPU wait\n"
     )
     print(

@@ -139,6 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="long unique prompts per burst step (with --no-sizing; else sized)",
     )
     d.add_argument(
+        "--batch-events",
+        type=int,
+        default=defaults.batch_events,
+        help="publish each step as batches of at most this many events (0: one batch per "
+        "step; e.g. 20 for the upstream report's thousands of small batches)",
+    )
+    d.add_argument(
         "--queue", type=int, default=QUEUE, help=f"max_queue_size for all publishers ({QUEUE})"
     )
     d.add_argument(
@@ -198,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             burst_every=args.burst_every,
             burst_length=args.burst_length,
             burst_requests=args.burst_requests,
+            batch_events=args.batch_events,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -156,24 +156,25 @@ def stock_drain_per_step(cfg: WorkloadConfig, steps: int = 120) -> float:
     """
     from coalesce._baselines import StockPublisher
     from coalesce.events import KVEventBatch
-
-    batches = _steady_bursts(cfg, steps)
-    size = sum(map(len, batches)) / steps
+    split = cfg.split
+    per_step = [split(events) for events in _steady_bursts(cfg, steps)]
+    published = [len(b) for chunks in per_step for b in chunks]
     endpoint = f"inproc://drain-{os.getpid()}-{time.monotonic_ns()}"
-    pub = StockPublisher(0, endpoint=endpoint, max_queue_size=10 * steps)
+    pub = StockPublisher(0, endpoint=endpoint, max_queue_size=len(published) + 10)
     try:
         start = time.perf_counter()
-        for events in batches:
+        for chunks in per_step:
             _spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
-            pub.publish(KVEventBatch(ts=0.0, events=events))
+            for events in chunks:
+                pub.publish(KVEventBatch(ts=0.0, events=events))
             time.sleep(cfg.step_gpu_us / 1e6)
-        left = int(pub._event_queue.qsize())
+        left = int(pub._event_queue.qsize())  # the newest batches: the queue is FIFO
         elapsed_steps = (time.perf_counter() - start) / ((cfg.step_cpu_us + cfg.step_gpu_us) / 1e6)
     finally:
         while pub._event_queue.qsize():  # vLLM's shutdown() raises on a full queue
             time.sleep(0.001)
         pub.shutdown()
-    drained = (steps - left) * size
+    drained = sum(published[: len(published) - left])
     return drained / max(steps, elapsed_steps)
 
 
@@ -184,8 +185,10 @@ def stock_capacity_per_step(cfg: WorkloadConfig) -> float:
     import zmq
 
     from coalesce.events import KVEventBatch
-
-    batches = [KVEventBatch(0.0, events, 0) for events in _steady_bursts(cfg, 60)]
+    split = cfg.split
+    batches = [
+        KVEventBatch(0.0, chunk, 0) for events in _steady_bursts(cfg, 60) for chunk in split(events)
+    ]
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     sock.bind(f"inproc://capacity-{os.getpid()}-{time.monotonic_ns()}")
     enc = msgspec.msgpack.Encoder()
@@ -274,8 +277,8 @@ def _engine_main(
     engine = Engine(cfg, rank)
     # The model runs first, so that a step costs exactly step_cpu_us + step_gpu_us
     # whatever the model's own cost (bursts take it milliseconds of Python).
-    steps = [engine.step() for _ in range(cfg.steps)]
-    events_in = sum(map(len, steps))
+    steps = [cfg.split(engine.step()) for _ in range(cfg.steps)]
+    events_in = sum(len(chunk) for chunks in steps for chunk in chunks)
     gc.collect()
     gc.freeze()  # keep cyclic-GC pauses over those objects out of the timings
     base_mb = peak_mb = _rss_mb()
@@ -291,20 +294,22 @@ def _engine_main(
     clock = time.perf_counter_ns
     worst = 0
     start = time.perf_counter()
-    for step, events in enumerate(steps):
+    for step, chunks in enumerate(steps):
         _spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
-        dropped_before = getattr(pub, "dropped", 0)
-        if vllm_queue is not None and vllm_queue.full():  # publish() will wait for the sender
-            blocked += 1
-        t0 = clock()
-        outcome = pub.publish(KVEventBatch(ts=time.time(), events=events))
-        dt = clock() - t0
-        lat.append(dt)
-        accepted.append(
-            outcome is not PublishOutcome.DROPPED and getattr(pub, "dropped", 0) == dropped_before
-        )
+        for events in chunks:
+            dropped_before = getattr(pub, "dropped", 0)
+            if vllm_queue is not None and vllm_queue.full():  # publish() will wait
+                blocked += 1
+            t0 = clock()
+            outcome = pub.publish(KVEventBatch(ts=time.time(), events=events))
+            dt = clock() - t0
+            lat.append(dt)
+            accepted.append(
+                outcome is not PublishOutcome.DROPPED
+                and getattr(pub, "dropped", 0) == dropped_before
+            )
+            worst = max(worst, dt)
         time.sleep(cfg.step_gpu_us / 1e6)  # the GPU: the GIL is free
-        worst = max(worst, dt)
         if step % _SAMPLE_EVERY == _SAMPLE_EVERY - 1:
             progress.value = step + 1
             timeline.append((time.perf_counter() - start, _backlog(pub), worst / 1e3))
@@ -320,7 +325,8 @@ def _engine_main(
             time.sleep(0.001)
     peak_mb = max(peak_mb, _rss_mb())
     enc = msgspec.msgpack.Encoder()
-    kept = [evs for evs, ok in zip(steps, accepted, strict=True) if ok]
+    published = [chunk for chunks in steps for chunk in chunks]
+    kept = [evs for evs, ok in zip(published, accepted, strict=True) if ok]
     lat.sort()
     out.put(
         {

@@ -54,6 +54,9 @@ class WorkloadConfig:
     clear_every: int = 0
     step_cpu_us: float = 300.0
     step_gpu_us: float = 300.0
+    batch_events: int = 0
+    """Publish each step's events as batches of at most this many (0: one batch per
+    step): the upstream report's "thousands of EventBatch objects in one shot"."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +65,15 @@ class WorkloadConfig:
             raise ValueError("gpu_blocks must hold at least two of the largest requests")
         if min(self.ranks, self.steps, self.block_size, self.cpu_blocks) < 1:
             raise ValueError("ranks, steps, block_size and cpu_blocks must be >= 1")
+        if self.batch_events < 0:
+            raise ValueError("batch_events must be >= 0 (0: one batch per step)")
+
+    def split(self, events: list[Any]) -> list[list[Any]]:
+        """One step's events as the batches it publishes (``batch_events`` each).  O(events)."""
+        n = self.batch_events
+        if n <= 0 or len(events) <= n:
+            return [events]
+        return [events[i : i + n] for i in range(0, len(events), n)]
 
 
 class Engine:

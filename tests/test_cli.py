@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
 from tests.conftest import free_port
 
@@ -52,10 +54,13 @@ def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
     assert proc.returncode == 0, err
 
 
-def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
+@pytest.mark.parametrize("batch_events", [0, 20])
+def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
     run = subprocess.run(
         cli(
             "demo",
+            "--batch-events",
+            str(batch_events),
             "--ranks",
             "1",
             "--steps",
@@ -86,6 +91,9 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path):
     assert ours["silent"] == 0
     assert ours["missing"] + ours["stale"] == 0 or ours["resets"] > 0
     assert ours["events_on_wire"] <= ours["events_in"]
+    stock = {r["publisher"]: r for r in data["results"]}["stock"]
+    if batch_events:  # many small batches per step: one publish() each
+        assert stock["messages"] > 120 * 2
 
 
 def test_subscribe_says_why_nothing_arrives():

@@ -71,3 +71,12 @@ def test_pools_respect_their_sizes_and_bursts_evict_by_the_hundred():
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="gpu_blocks"):
         replace(WorkloadConfig(), gpu_blocks=10)
+
+
+def test_steps_split_into_batches_of_at_most_batch_events():
+    events = list(range(45))
+    assert WorkloadConfig().split(events) == [events]
+    parts = replace(WorkloadConfig(), batch_events=20).split(events)
+    assert [len(p) for p in parts] == [20, 20, 5] and [e for p in parts for e in p] == events
+    with pytest.raises(ValueError, match="batch_events"):
+        replace(WorkloadConfig(), batch_events=-1)
