@@ -13,17 +13,23 @@ Loss is recorded in order: when ``offer()`` refuses a batch it remembers it,
 and the next batch it accepts is preceded by a ``LOSS`` marker, so the sender
 skips a sequence number exactly where the loss happened.
 
-Two budgets, as in vLLM plus one: ``max_batches`` (vLLM's ``max_queue_size``)
-bounds the batches in the hand-off deque, ``max_events`` bounds the events
-not yet sent.  Under pressure the sender moves what is in the deque to a
-staging deque of its own (:meth:`stage`, O(1) per batch), in order, so the
-batch budget is only reached by a sender that cannot run at all, where vLLM's
-blocking queue would merely have made the engine wait; staged events still
-count against ``max_events``, the memory bound.
+Two budgets, as in vLLM plus one.  ``max_events`` bounds the events not yet
+sent (and, separately, the batches), the memory bound.
+``max_batches`` (vLLM's ``max_queue_size``) bounds the batches in the
+hand-off deque, but only against a sender that has stopped taking: a full
+deque refuses batches once the sender has taken nothing from it for
+``stall_timeout`` seconds.  vLLM's blocking queue makes the engine wait
+whenever it is full, and a sender that is merely late (on a busy machine it
+may get no CPU for two engine steps) is exactly where vLLM only waits, so a
+non-blocking publisher must not lose data there.  Under pressure the sender
+also moves what is in the deque to a staging deque of its own (:meth:`stage`,
+O(1) per batch), in order, so the deque rarely fills at all; staged batches
+still count against ``max_events``.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Final
 
@@ -49,12 +55,14 @@ class Backlog:
     properties.
     """
 
-    def __init__(self, max_batches: int, max_events: int) -> None:
+    def __init__(self, max_batches: int, max_events: int, stall_timeout: float = 0.0) -> None:
         # items: (batch, n_events) or LOSS
         self._q: deque[Any] = deque()  # the hand-off: engine appends, sender pops
         self._staged: deque[Any] = deque()  # the sender's own, taken from before _q
         self.max_batches = max_batches
         self.max_events = max_events
+        self.stall_timeout = stall_timeout
+        self._refusing = False  # refuse_all(): the sender has stopped for good
         # written by the engine thread
         self.batches_in = 0
         self.events_in = 0
@@ -62,6 +70,8 @@ class Backlog:
         self.events_dropped = 0
         self.peak = 0
         self._unmarked_loss = False
+        self._full_out = -1  # batches_out when the deque was last seen full
+        self._full_since = 0.0
         # written by the sender thread
         self.batches_out = 0  # batches that left the hand-off deque (staged or taken)
         self.events_out = 0  # events taken for sending
@@ -72,13 +82,17 @@ class Backlog:
     def offer(self, batch: Any, n_events: int) -> bool:
         """Queue ``batch`` unless the budget is spent.  O(1); never blocks.
 
-        The budget: ``max_batches`` batches and ``max_events`` events published
-        but not yet taken by the sender.  Over budget the batch is refused
-        (returns False) and counted; the loss will show as a sequence gap.
+        The budget: ``max_events`` events (and batches) not yet sent, and
+        ``max_batches`` batches in the hand-off deque once the sender has
+        taken nothing from it for ``stall_timeout`` (module docstring).  Over
+        budget the batch is refused (returns False) and counted; the loss will
+        show as a sequence gap.
         """
         if (
-            self.batches_in - self.batches_out >= self.max_batches
+            self._refusing
             or self.pending_events + n_events > self.max_events
+            or self.batches_in - self.batches_out + self.staged >= self.max_events
+            or (self.batches_in - self.batches_out >= self.max_batches and self._stalled())
         ):
             self.batches_dropped += 1
             self.events_dropped += n_events
@@ -96,6 +110,21 @@ class Backlog:
             self.peak = n
         return True
 
+    def _stalled(self) -> bool:
+        """The hand-off deque is full: has the sender taken nothing for ``stall_timeout``?
+
+        O(1): one clock read, only while the deque is full.
+        """
+        if self.stall_timeout <= 0:
+            return True
+        now = time.monotonic()
+        out = self.batches_out
+        if out != self._full_out:  # it took something since the last look: a new wait
+            self._full_out = out
+            self._full_since = now
+            return False
+        return now - self._full_since >= self.stall_timeout
+
     # -- sender thread -------------------------------------------------------
 
     def mark_pending_loss(self) -> None:
@@ -106,7 +135,7 @@ class Backlog:
 
     def refuse_all(self) -> None:
         """From now on :meth:`offer` refuses every batch (the sender has stopped for good)."""
-        self.max_batches = 0
+        self._refusing = True
 
     def stage(self) -> int:
         """Move everything in the hand-off deque to the staging deque, in order.
@@ -206,8 +235,9 @@ class Backlog:
         assert len(queued) == self.pending >= 0, "counters match the hand-off deque"
         assert len(staged) == self.staged >= 0, "counters match the staging deque"
         assert sum(n for _, n in queued + staged) == self.pending_events >= 0
-        # refuse_all() sets the batch budget to 0 with batches still queued
-        assert self.pending <= self.max_batches or self.max_batches == 0, "the batch budget"
+        if self.stall_timeout <= 0:
+            assert self.pending <= self.max_batches, "the batch budget"
         assert self.pending_events <= self.max_events, "the event budget holds"
+        assert self.waiting <= self.max_events, "each batch counts as an event"
         assert self.peak >= self.pending
         # Adjacent markers are allowed: the sender turns a run of them into one gap.

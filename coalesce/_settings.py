@@ -84,6 +84,10 @@ class Settings:
     fold_only_events: int = _knob(2048, _positive_int)
     """Pending events beyond which the sender only folds; it also folds only once a
     pass of the rules has lost ground."""
+    stall_timeout: float = _knob(1.0, _seconds)
+    """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
+    sender takes nothing from it before publish() refuses batches on that count; 0
+    refuses at once.  A running sender always takes within this time."""
     shutdown_timeout: float = _knob(1.0, _seconds)
     """Seconds shutdown() spends flushing before it abandons what is left."""
     replay_window: int = _knob(256, _positive_int)

@@ -181,7 +181,9 @@ class CoalescingPublisher:
         )
         # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
         batch_budget = max_queue_size or sys.maxsize
-        self._backlog = Backlog(batch_budget, self.settings.max_pending_events)
+        self._backlog = Backlog(
+            batch_budget, self.settings.max_pending_events, self.settings.stall_timeout
+        )
         self._batch_types: set[type] = set()
         self._sender = Sender(
             pub=pub,

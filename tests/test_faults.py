@@ -177,6 +177,7 @@ def test_bounded_soak_at_sustained_overload():
         buffer_steps=100,
         max_queue_size=50,
         max_pending_events=5000,
+        stall_timeout=0,  # a held sender is a stalled one: the batch budget applies at once
     )
     published = 0
     outcomes: dict[PublishOutcome, int] = {PublishOutcome.QUEUED: 0, PublishOutcome.DROPPED: 0}

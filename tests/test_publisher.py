@@ -206,8 +206,8 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(pubs, ma
 def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1)
-    with held(p):  # a sender that cannot run at all
+    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1, stall_timeout=0)
+    with held(p):  # a sender that cannot run at all (and is judged stalled at once)
         outcomes = Counter(p.publish(batch(store(i))) for i in range(1000))
     dropped = outcomes[PublishOutcome.DROPPED]
     assert outcomes[PublishOutcome.QUEUED] == 5 and dropped == 995
@@ -246,6 +246,32 @@ def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(p
     assert st.backlog_peak <= 8
     msgs = sub.recv_until_seq(st.messages_sent - 1)
     assert sum(len(decode(m[2]).events) for m in msgs) == st.events_sent
+
+
+def test_a_full_hand_off_waits_stall_timeout_for_a_late_sender(pubs, make_sub):
+    """The batch budget refuses only once the sender has taken nothing for stall_timeout:
+    vLLM's queue would make the engine wait for a late sender, so nothing may be lost."""
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1, stall_timeout=0.2)
+    with held(p):  # late: holds still, as a sender with no CPU does
+        first = [p.publish(batch(store(i))) for i in range(50)]
+        assert first == [PublishOutcome.QUEUED] * 50, "within stall_timeout nothing is refused"
+        t0 = time.monotonic()
+        wait_for(
+            lambda: p.publish(batch(store(999))) is PublishOutcome.DROPPED,
+            timeout=5,
+            what="the batch budget to apply to a stalled sender",
+        )
+        assert time.monotonic() - t0 >= 0.15
+    assert p.flush(10)  # released, the sender takes again: the budget is free
+    assert p.publish(batch(store(5000))) is PublishOutcome.QUEUED  # the gap shows before it
+    assert p.flush(10)
+    st = p.stats()
+    assert st.batches_dropped >= 1 and st.seq_gaps == 1
+    assert st.backlog_peak > 5  # the hand-off held more than max_queue_size meanwhile
+    msgs = sub.recv_until_seq(st.messages_sent - 1 + st.seq_gaps)
+    assert sum(len(decode(m[2]).events) for m in msgs) == st.events_sent == st.events_in
 
 
 def test_event_budget_counts_events(pubs):
