@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -36,7 +37,12 @@ REAL_VLLM = _VllmPublisher is not None
 
 
 class _ReimplementedStock:
-    """vLLM 0.33's ZmqEventPublisher behaviour, re-implemented (no replay socket)."""
+    """vLLM 0.33's ZmqEventPublisher behaviour, re-implemented (no replay socket).
+
+    It keeps vLLM's replay buffer (every payload, ``buffer_steps`` of them) even
+    though nothing can ask for it: holding those payloads is part of what vLLM's
+    sender costs its process (fresh memory for every new payload).
+    """
 
     def __init__(
         self,
@@ -45,8 +51,10 @@ class _ReimplementedStock:
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
         topic: str = "",
+        buffer_steps: int = 10_000,
         **_: Any,  # replay_endpoint: not re-implemented (subscribers then cannot replay)
     ) -> None:
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._rank = data_parallel_rank
         self._event_queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
@@ -72,7 +80,9 @@ class _ReimplementedStock:
                 continue
             if item is None:
                 break
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), enc.encode(item)))
+            payload = enc.encode(item)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
             seq += 1
 
     def shutdown(self) -> None:
