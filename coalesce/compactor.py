@@ -497,13 +497,18 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
     """The C rules' result, or None for a window they decline.  O(events + hashes).
 
     The first window holding a class unknown to the accelerator registers it
-    (once per class; at most one extra call per distinct class).
+    (once per class; at most one extra call per distinct class).  A class it
+    cannot register (its table of classes is full) makes it decline.
     """
     assert _accel is not None
+    tried: set[type] = set()
     while True:
         result = _accel.compact_events(events)
         if not isinstance(result, type):
             return result  # type: ignore[no-any-return]
+        if result in tried:
+            return None
+        tried.add(result)
         names: tuple[str, ...] = result.__struct_fields__  # type: ignore[attr-defined]
         _accel.register(result, _accel_kind(result), tuple(names))
 

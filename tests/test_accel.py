@@ -290,3 +290,16 @@ def test_is_kv_batch_answered_in_c_only_for_known_classes() -> None:
 
     assert compactor._accel.all_known([Unknown()]) is None
     assert not compactor._is_kv_batch(KVEventBatch(ts=0.0, events=[Unknown()]))
+
+
+def test_more_classes_than_the_accelerator_holds_still_compact() -> None:
+    """Its table of classes is bounded; past it, windows go to the Python rules
+    (this test runs last in the file: the table stays full for the session)."""
+    for i in range(40):
+        cls = msgspec.defstruct(
+            f"Removed{i}", [("block_hashes", list), ("medium", Any)], tag="BlockRemoved"
+        )
+        events = [cls([1], "GPU"), cls([2], "GPU")]
+        want = compactor._compact_events_py(list(events), False, Counter())
+        assert compactor._compact_events(list(events), False, Counter()) == want
+        assert len(want) == 1  # the two removals merged
