@@ -8,10 +8,14 @@
  *
  * How it is fast: the events' fields are read at their slot offsets (msgspec
  * structs keep each field in a fixed slot, found once per class from its
- * member descriptors), block hashes become 64-bit keys in native open-address
- * tables, and the rules run on small records (an event = a list of block
- * ranges of input events) so that no Python object is built until the final
- * events, and only for the events a rule changed.
+ * member descriptors), each distinct block hash gets a dense id from one
+ * open-address table (so the rules index plain arrays), and the rules run on
+ * small records (an event = a list of block ranges of input events) so that
+ * no Python object is built until the final events, and only for the events a
+ * rule changed (a __copy__ of the original, with its per-block lists replaced).
+ * Buffers and the table are kept between calls (a fresh allocation per window
+ * cost more in page faults than the rules), guarded against re-entry, and
+ * freed after a call that grew them past 8 MiB.
  *
  * What it accepts (anything else returns None before any output is built):
  * events of registered classes (register(): BlockStored, BlockRemoved,
@@ -19,8 +23,9 @@
  * per-block fields; block hashes and parents that are exact ints in [0, 2**64)
  * or exact bytes; mediums str or None; group_idx int or None; every other
  * field None, str, int, float or bool (so that comparing them runs no Python
- * code); non-empty stores; at most 64 distinct removal groups and 250 mediums
- * and groups per window.
+ * code); non-empty stores; at most 64 distinct removal groups, 250 mediums,
+ * 250 groups and 64 (medium, group) pairs per window; at most 32 classes per
+ * process.
  *
  * Cost: O(events + block hashes) time and memory per call, with the GIL held;
  * the caller bounds the window (max_events_per_step).
