@@ -61,7 +61,8 @@ class PublisherStats:
         "Events waiting for the sender right now (what max_pending_events bounds)."
     )
     backlog_peak: int = _gauge(
-        "The most batches publish() saw in the hand-off queue (what max_queue_size bounds)."
+        "The most batches publish() saw in the hand-off queue (max_queue_size bounds it "
+        "against a sender stalled for stall_timeout)."
     )
     sender_alive: bool = _gauge(
         "1 while the sender thread runs; 0 after shutdown() or after it failed."
