@@ -44,6 +44,7 @@ enum { K_OPAQUE = 0, K_STORED = 1, K_REMOVED = 2, K_CLEARED = 3 };
 #define MAX_IDS 250
 #define MAX_DESCS 64
 #define MAX_MG 64
+#define MAX_WINDOW ((Py_ssize_t)1 << 28) /* events, and block hashes, per call */
 
 typedef struct {
     PyTypeObject *type; /* strong reference, kept for the process's life */
@@ -377,6 +378,7 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
             if (v == NULL || !atomic(v)) return 0;
         }
     }
+    if (n > MAX_WINDOW || total > MAX_WINDOW) return 0; /* ids and positions are int32 */
     w->hids = (int32_t *)buf_get(&g_bufs.hids, (size_t)total * sizeof(int32_t));
     if (w->hids == NULL || !table_init(&g_ids, total)) return -1;
     w->nkeys = total;
