@@ -570,6 +570,16 @@ static int rule_cancel(Window *w, Py_ssize_t first, Item *items, Py_ssize_t *nit
 
 /* ---- rule 5: sink removals ------------------------------------------------ */
 
+/* out = *it, its segments (nseg of them from segs) appended to outsegs.  0 on memory error. */
+static int put_item(Item *out, const Item *it, const Seg *segs, Py_ssize_t nseg, SegVec *outsegs) {
+    *out = *it;
+    out->seg0 = outsegs->n;
+    out->nseg = nseg;
+    for (Py_ssize_t q = 0; q < nseg; q++)
+        if (!segvec_push(outsegs, segs[q].src, segs[q].start, segs[q].end)) return 0;
+    return 1;
+}
+
 typedef struct {
     uint64_t *by_hash; /* hash id -> held groups naming it */
     uint64_t *by_key;  /* key id -> held groups removing it */
@@ -587,21 +597,13 @@ static int flush_desc(Window *w, Desc *d, int bit, Held *h, const Item *in, Item
             h->by_key[KID(w, hids[p], mg)] &= clear;
         }
     }
+    /* the first removal held, carrying every merged removal's blocks */
     Item *it = &out[(*nout)++];
-    const Item *src = &in[d->first_item];
-    if (d->n == 1) {
-        *it = *src;
-    } else {
+    if (!put_item(it, &in[d->first_item], d->segs.v, d->segs.n, outsegs)) return -1;
+    if (d->n > 1) {
         *merged += (long)(d->n - 1);
-        it->kind = K_REMOVED;
         it->changed = 1;
-        it->base = src->base;
     }
-    it->seg0 = outsegs->n;
-    for (Py_ssize_t q = 0; q < d->segs.n; q++)
-        if (!segvec_push(outsegs, d->segs.v[q].src, d->segs.v[q].start, d->segs.v[q].end))
-            return -1;
-    it->nseg = outsegs->n - it->seg0;
     d->held = 0;
     d->segs.n = 0;
     return 1;
@@ -689,11 +691,7 @@ static int rule_sink(Window *w, const Item *in, Py_ssize_t nin, const SegVec *in
                     return -1;
                 held_mask &= ~conflict;
             }
-            Item *o = &out[(*nout)++];
-            *o = *it;
-            o->seg0 = outsegs->n;
-            if (!segvec_push(outsegs, g.src, g.start, g.end)) return -1;
-            o->nseg = 1;
+            if (!put_item(&out[(*nout)++], it, &g, 1, outsegs)) return -1;
         }
     }
     return flush_mask(w, descs, held_mask, &h, in, out, nout, outsegs, merged);
@@ -729,22 +727,16 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
                 continue;
             }
             chain = &out[m++];
-            *chain = *it;
-            chain->seg0 = outsegs->n;
-            if (!segvec_push(outsegs, g.src, g.start, g.end)) return -1;
-            chain->nseg = 1;
+            if (!put_item(chain, it, &g, 1, outsegs)) return -1;
             first = s;
             last = w->hids[s->h0 + g.end - 1];
             chain_ok = s->splittable && !(s->parent >= 0 && removed[s->parent]);
             continue;
         }
         chain = NULL;
-        Item *o = &out[m++];
-        *o = *it;
-        o->seg0 = outsegs->n;
+        if (!put_item(&out[m++], it, &insegs->v[it->seg0], it->nseg, outsegs)) return -1;
         for (Py_ssize_t q = 0; q < it->nseg; q++) {
             Seg g = insegs->v[it->seg0 + q];
-            if (!segvec_push(outsegs, g.src, g.start, g.end)) return -1;
             const int32_t *hids = w->hids + w->src[g.src].h0;
             for (int32_t p = g.start; p < g.end; p++) removed[hids[p]] = 1;
         }
