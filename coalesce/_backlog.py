@@ -88,11 +88,12 @@ class Backlog:
         budget the batch is refused (returns False) and counted; the loss will
         show as a sequence gap.
         """
+        pending = self.batches_in - self.batches_out
         if (
             self._refusing
             or self.pending_events + n_events > self.max_events
-            or self.batches_in - self.batches_out + self.staged >= self.max_events
-            or (self.batches_in - self.batches_out >= self.max_batches and self._stalled())
+            or pending + self.staged >= self.max_events
+            or (pending >= self.max_batches and self._stalled())
         ):
             self.batches_dropped += 1
             self.events_dropped += n_events
@@ -238,6 +239,6 @@ class Backlog:
         if self.stall_timeout <= 0:
             assert self.pending <= self.max_batches, "the batch budget"
         assert self.pending_events <= self.max_events, "the event budget holds"
-        assert self.waiting <= self.max_events, "each batch counts as an event"
+        assert self.waiting <= self.max_events, "the event budget bounds the batches too"
         assert self.peak >= self.pending
         # Adjacent markers are allowed: the sender turns a run of them into one gap.

@@ -156,8 +156,8 @@ def stock_drain_per_step(cfg: WorkloadConfig, steps: int = 120) -> float:
     """
     from coalesce._baselines import StockPublisher
     from coalesce.events import KVEventBatch
-    split = cfg.split
-    per_step = [split(events) for events in _steady_bursts(cfg, steps)]
+
+    per_step = [cfg.split(events) for events in _steady_bursts(cfg, steps)]
     published = [len(b) for chunks in per_step for b in chunks]
     endpoint = f"inproc://drain-{os.getpid()}-{time.monotonic_ns()}"
     pub = StockPublisher(0, endpoint=endpoint, max_queue_size=len(published) + 10)
@@ -185,9 +185,11 @@ def stock_capacity_per_step(cfg: WorkloadConfig) -> float:
     import zmq
 
     from coalesce.events import KVEventBatch
-    split = cfg.split
+
     batches = [
-        KVEventBatch(0.0, chunk, 0) for events in _steady_bursts(cfg, 60) for chunk in split(events)
+        KVEventBatch(0.0, chunk, 0)
+        for events in _steady_bursts(cfg, 60)
+        for chunk in cfg.split(events)
     ]
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     sock.bind(f"inproc://capacity-{os.getpid()}-{time.monotonic_ns()}")
@@ -278,7 +280,8 @@ def _engine_main(
     # The model runs first, so that a step costs exactly step_cpu_us + step_gpu_us
     # whatever the model's own cost (bursts take it milliseconds of Python).
     steps = [cfg.split(engine.step()) for _ in range(cfg.steps)]
-    events_in = sum(len(chunk) for chunks in steps for chunk in chunks)
+    published = [chunk for chunks in steps for chunk in chunks]  # every publish(), in order
+    events_in = sum(map(len, published))
     gc.collect()
     gc.freeze()  # keep cyclic-GC pauses over those objects out of the timings
     base_mb = peak_mb = _rss_mb()
@@ -325,7 +328,6 @@ def _engine_main(
             time.sleep(0.001)
     peak_mb = max(peak_mb, _rss_mb())
     enc = msgspec.msgpack.Encoder()
-    published = [chunk for chunks in steps for chunk in chunks]
     kept = [evs for evs, ok in zip(published, accepted, strict=True) if ok]
     lat.sort()
     out.put(

@@ -54,8 +54,9 @@ class PublishOutcome(enum.Enum):
     subscribers as a sequence gap."""
 
 
-def _log_endpoints(endpoint: str, replay: str | None) -> None:
-    """Say once where this publisher is, and warn about vLLM's connect rule."""
+def _log_start(endpoint: str, replay: str | None) -> None:
+    """Say once where this publisher is and which compaction rules it runs, and warn
+    about vLLM's connect rule."""
     bind = is_bind_endpoint(endpoint)
     log.info(
         "kv-coalesce: publishing on %s (%s)%s",
@@ -170,7 +171,7 @@ class CoalescingPublisher:
                 router.close(linger=0)
             raise
 
-        _log_endpoints(pub_ep, replay_ep)
+        _log_start(pub_ep, replay_ep)
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,
