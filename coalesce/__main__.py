@@ -55,6 +55,7 @@ def subscribe(
     seconds: float | None,
     bind: bool = False,
     warn_after: float = 5.0,
+    snapshots: list[str] | None = None,
 ) -> int:
     """Follow publishers; print live counters (or JSON lines); a summary on Ctrl-C."""
     from coalesce.subscriber import Source, Subscriber
@@ -62,6 +63,9 @@ def subscribe(
     if replays and len(replays) != len(endpoints):
         raise SystemExit("--replay must be given once per ENDPOINT, or not at all")
     reps: list[str | None] = list(replays) if replays else [None] * len(endpoints)
+    if snapshots and len(snapshots) != len(endpoints):
+        raise SystemExit("--snapshot must be given once per ENDPOINT, or not at all")
+    snaps: list[str | None] = list(snapshots) if snapshots else [None] * len(endpoints)
 
     def print_batch(src: Source, seq: int, ts: float, events: list[Any], rank: int | None) -> None:
         line = {
@@ -74,7 +78,12 @@ def subscribe(
         print(msgspec.json.encode(line).decode(), flush=True)
 
     sub = Subscriber(
-        endpoints, reps, topic=topic, on_batch=print_batch if as_json else None, bind=bind
+        endpoints,
+        reps,
+        topic=topic,
+        on_batch=print_batch if as_json else None,
+        bind=bind,
+        snapshot_endpoints=snaps,
     )
     start = time.monotonic()
     deadline = None if seconds is None else start + seconds
@@ -95,7 +104,8 @@ def subscribe(
                 kinds = " ".join(f"{k}={v}" for k, v in sorted(s["events"].items()))
                 print(
                     f"\rmessages={s['messages']} {kinds} gaps={s['gaps']} "
-                    f"replays={s['replays']} resets={s['resets']} "
+                    f"replays={s['replays']} snapshots={s['snapshots']} "
+                    f"recovered={s['recovered']} resets={s['resets']} "
                     f"bad={s['bad_messages']} partial={s['partial_sources']} "
                     f"index={s['index_size']}   ",
                     end="",
@@ -175,6 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--bind", action="store_true", help="bind ENDPOINT(s): for publishers that connect"
     )
     s.add_argument("--replay", action="append", default=[], help="replay endpoint, per ENDPOINT")
+    s.add_argument(
+        "--snapshot",
+        action="append",
+        default=[],
+        help="snapshot endpoint (the publisher's snapshot_endpoint), per ENDPOINT: "
+        "bootstrap from it, and heal gaps replay cannot fill",
+    )
     s.add_argument("--topic", default="", help="topic prefix to subscribe to")
     s.add_argument("--json", action="store_true", help="one JSON line per batch")
     s.add_argument("--seconds", type=float, default=None, help="stop after this long")
@@ -194,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.seconds,
             bind=args.bind,
             warn_after=args.warn_after,
+            snapshots=args.snapshot,
         )
     try:
         cfg = replace(

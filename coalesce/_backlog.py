@@ -33,11 +33,19 @@ import time
 from collections import deque
 from typing import Any, Final
 
-__all__ = ["LOSS", "Backlog"]
+__all__ = ["LOSS", "Backlog", "is_loss"]
 
 
 class _Loss:
-    __slots__ = ()
+    """Batches were refused here.  With a record bound, it carries them (for the
+    snapshot recorder only: they are never sent), and ``overflow`` says that more
+    were refused than the bound let it keep."""
+
+    __slots__ = ("overflow", "refused")
+
+    def __init__(self, refused: list[Any] | None = None, overflow: bool = False) -> None:
+        self.refused = refused
+        self.overflow = overflow
 
     def __repr__(self) -> str:
         return "LOSS"
@@ -45,6 +53,11 @@ class _Loss:
 
 LOSS: Final = _Loss()
 """Marker in the backlog: batches were lost here; the sender skips a seq."""
+
+
+def is_loss(item: Any) -> bool:
+    """A loss marker (``LOSS``, or one carrying refused batches).  O(1)."""
+    return type(item) is _Loss
 
 
 class Backlog:
@@ -55,7 +68,13 @@ class Backlog:
     properties.
     """
 
-    def __init__(self, max_batches: int, max_events: int, stall_timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        max_batches: int,
+        max_events: int,
+        stall_timeout: float = 0.0,
+        record_events: int = 0,
+    ) -> None:
         # items: (batch, n_events) or LOSS
         self._q: deque[Any] = deque()  # the hand-off: engine appends, sender pops
         self._staged: deque[Any] = deque()  # the sender's own, taken from before _q
@@ -70,6 +89,12 @@ class Backlog:
         self.events_dropped = 0
         self.peak = 0
         self._unmarked_loss = False
+        # record_events > 0 (snapshots on): refused batches, up to that many events per
+        # loss, ride in its marker to the recorder (O(1) each)
+        self.record_events = record_events
+        self._refused: list[Any] | None = [] if record_events else None
+        self._refused_events = 0
+        self._refused_overflow = False
         self._full_out = -1  # batches_out when the deque was last seen full
         self._full_since = 0.0
         # written by the sender thread
@@ -98,11 +123,18 @@ class Backlog:
             self.batches_dropped += 1
             self.events_dropped += n_events
             self._unmarked_loss = True
+            refused = self._refused
+            if refused is not None and not self._refusing and not self._refused_overflow:
+                if self._refused_events + n_events <= self.record_events:
+                    refused.append(batch)
+                    self._refused_events += n_events
+                else:
+                    self._refused_overflow = True
             return False
         q = self._q
         if self._unmarked_loss:
             self._unmarked_loss = False
-            q.append(LOSS)
+            q.append(self._marker())
         q.append((batch, n_events))
         self.batches_in += 1
         self.events_in += n_events
@@ -110,6 +142,14 @@ class Backlog:
         if n > self.peak:
             self.peak = n
         return True
+
+    def _marker(self) -> _Loss:
+        refused = self._refused
+        if refused is None:
+            return LOSS
+        marker = _Loss(refused, self._refused_overflow)
+        self._refused, self._refused_events, self._refused_overflow = [], 0, False
+        return marker
 
     def _stalled(self) -> bool:
         """The hand-off deque is full: has the sender taken nothing for ``stall_timeout``?
@@ -132,7 +172,7 @@ class Backlog:
         """Put the marker for refused batches in now (no later batch will)."""
         if self._unmarked_loss:
             self._unmarked_loss = False
-            self._q.append(LOSS)
+            self._q.append(self._marker())
 
     def refuse_all(self) -> None:
         """From now on :meth:`offer` refuses every batch (the sender has stopped for good)."""
@@ -149,7 +189,7 @@ class Backlog:
         for _ in range(len(q)):
             item = q.popleft()
             staged.append(item)
-            if item is not LOSS:
+            if not is_loss(item):
                 moved += 1
         self.batches_out += moved
         self.staged += moved
@@ -169,7 +209,7 @@ class Backlog:
         """Pop the oldest item: ``(batch, events)`` or ``LOSS``.  O(1).  Must not be empty."""
         src = self._source()
         item = src.popleft()
-        if item is not LOSS:
+        if not is_loss(item):
             self._took(src, 1, item[1])
         return item  # type: ignore[no-any-return]
 
@@ -181,11 +221,11 @@ class Backlog:
         then from the hand-off deque.  O(batches taken).  Must not be empty.
         """
         src = self._source()
-        if src[0] is LOSS:
+        if is_loss(src[0]):
             return src.popleft()  # type: ignore[no-any-return]
         out: list[Any] = []
         events = 0
-        while src and src[0] is not LOSS:
+        while src and not is_loss(src[0]):
             n = src[0][1]
             if out and events + n > max_events:
                 break
@@ -201,7 +241,7 @@ class Backlog:
             n = e = 0
             while src:
                 item = src.popleft()
-                if item is not LOSS:
+                if not is_loss(item):
                     n += 1
                     e += item[1]
             self._took(src, n, e)
@@ -231,8 +271,8 @@ class Backlog:
 
     def check(self) -> None:
         """Assert the invariants (tests call it after every mutation).  O(items)."""
-        queued = [x for x in self._q if x is not LOSS]
-        staged = [x for x in self._staged if x is not LOSS]
+        queued = [x for x in self._q if not is_loss(x)]
+        staged = [x for x in self._staged if not is_loss(x)]
         assert len(queued) == self.pending >= 0, "counters match the hand-off deque"
         assert len(staged) == self.staged >= 0, "counters match the staging deque"
         assert sum(n for _, n in queued + staged) == self.pending_events >= 0

@@ -35,7 +35,7 @@ import bisect
 import logging
 import time
 from collections import deque
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import zmq
 
@@ -140,7 +140,7 @@ class ReplayService:
     }
     """The ``PublisherStats`` replay counters of a publisher with no replay endpoint."""
 
-    def published(self) -> dict[str, int]:
+    def published(self) -> dict[str, Any]:
         """The counters as ``PublisherStats`` fields."""
         return {name: getattr(self, name[len("replay_") :]) for name in self.NOTHING}
 

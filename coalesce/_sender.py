@@ -26,9 +26,10 @@ from typing import Any
 
 import zmq
 
-from coalesce._backlog import LOSS, Backlog
+from coalesce._backlog import Backlog, is_loss
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
+from coalesce._snapshot import SnapshotService
 from coalesce._wire import Encoder, send_message
 from coalesce.compactor import compact, rule_stats
 
@@ -41,6 +42,10 @@ IDLE_POLL = 0.005
 under load (past ``high_watermark`` batches or ``max_events_per_step`` events),
 because each wake-up is a GIL acquisition taken from the engine; so a lone small
 batch may wait up to this long (CPython's own switch interval) before it is sent."""
+
+HEARTBEAT = 1.0
+"""Seconds of silence after which a publisher with snapshots on sends an empty batch
+(it takes a seq, so a subscriber sees a lost tail within a second; PR #57789)."""
 
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
@@ -118,7 +123,7 @@ class Totals:
         self.abandoned_batches += batches
         self.abandoned_events += events
 
-    def published(self) -> dict[str, int]:
+    def published(self) -> dict[str, Any]:
         """The counters that are ``PublisherStats`` fields as they are."""
         return {f.name: getattr(self, f.name) for f in _PUBLISHED}
 
@@ -140,6 +145,8 @@ class Sender:
         backlog: Backlog,
         buffer: ReplayBuffer,
         settings: Settings,
+        snapshot: SnapshotService | None = None,
+        publisher_id: bytes | None = None,
     ) -> None:
         self._pub = pub
         self._router = router
@@ -159,7 +166,11 @@ class Sender:
                 max_clients=settings.replay_max_clients,
             )
         )
-        self._encoder = Encoder()
+        self.snapshot = snapshot
+        self._record = None if snapshot is None else snapshot.record
+        self._heartbeat = publisher_id is not None
+        self._last_sent = time.monotonic()
+        self._encoder = Encoder(publisher_id)
         self.limited = RateLimited()
         self.totals = Totals()
         self._seq = 0
@@ -224,6 +235,8 @@ class Sender:
             self.alive = False
             if self.replay is not None:
                 self.replay.close()
+            if self.snapshot is not None:
+                self.snapshot.close()
             # What was sent must still reach subscribers: a linger, not 0 (which would
             # discard queued messages: a loss with no gap).  close() does not wait for
             # it; ZeroMQ's I/O thread delivers in the background.
@@ -232,7 +245,7 @@ class Sender:
                 self._router.close(linger=0)
 
     def _loop(self) -> None:
-        backlog, replay = self._backlog, self.replay
+        backlog, replay, snapshot = self._backlog, self.replay, self.snapshot
         deadline: float | None = None
         while True:
             gate = self._gate
@@ -240,6 +253,8 @@ class Sender:
                 self._parked.set()
                 gate.wait()
             did = replay.step(self._replay_budget()) if replay is not None else False
+            if snapshot is not None and snapshot.step(self._covered_seq):
+                did = True
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout
             if len(backlog):
@@ -254,6 +269,13 @@ class Sender:
                     break
             if did:
                 self._maybe_yield()
+                continue
+            if (
+                self._heartbeat
+                and not self.closed
+                and time.monotonic() - self._last_sent >= HEARTBEAT
+            ):
+                self._send_heartbeat()
                 continue
             self.idle = True
             if len(backlog) or self.closed:
@@ -308,18 +330,21 @@ class Sender:
                 )
             self._level = level
         taken_events = backlog.events_out
+        record = self._record
         if level == Level.ONE_TO_ONE:
             item = backlog.take_one()
-            if item is LOSS:
-                self._skip_pending = True
+            if is_loss(item):
+                self._lost(item)
                 return
             assert isinstance(item, tuple)
             self._send_taken(item[0], item[1])
+            if record is not None:
+                record(item[0])
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
         window = backlog.take(step)
-        if window is LOSS:
-            self._skip_pending = True
+        if is_loss(window):
+            self._lost(window)
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
@@ -328,7 +353,10 @@ class Sender:
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
             self._send_taken(window[0], self._in_flight[1])
+            if record is not None:
+                record(window[0])
             return
+        sent = window
         try:
             out, rep = compact(
                 window, move_events=settings.move_events, fold_only=level == Level.FOLD_ONLY
@@ -339,10 +367,38 @@ class Sender:
         else:
             if self._send_all(out, window):
                 self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
+                sent = out  # the same final state as the window's, in fewer events
+        if record is not None:
+            for b in sent:
+                record(b)
         self.done += len(window)
         self._in_flight = (0, 0)
         if level == Level.RULES and backlog.pending_events >= events_before:
             self._escalated = True  # the rules cost more than they save: fold only
+
+    def _lost(self, marker: Any) -> None:
+        """A loss marker: skip a seq; the recorder still gets what was refused."""
+        self._skip_pending = True
+        snapshot = self.snapshot
+        if snapshot is not None:
+            for b in marker.refused or ():
+                snapshot.record(b)
+            if marker.overflow:
+                snapshot.invalidate("more batches refused than the record bound keeps")
+
+    def _covered_seq(self) -> int:
+        """The last seq the recorder's state covers: a pending loss takes its seq now."""
+        if self._skip_pending:
+            self._skip_pending = False
+            self._seq += 1
+            self.totals.seq_gaps += 1
+        return self._seq - 1
+
+    def _send_heartbeat(self) -> None:
+        from coalesce.events import KVEventBatch
+
+        empty = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
+        self._emit(self._encoder.encode(empty), 0)
 
     def _maybe_yield(self) -> None:
         """Hand the GIL to the engine if the sender has held it for YIELD_EVERY."""
@@ -396,6 +452,8 @@ class Sender:
         self._seq += 1
         send_message(self._pub, self._topic, seq, payload)
         self._buffer.append(seq, payload)
+        if self._heartbeat:
+            self._last_sent = time.monotonic()
         t.messages_sent += 1
         t.events_sent += n_events
         t.bytes_sent += len(payload)

@@ -63,6 +63,12 @@ def _seconds(raw: Any) -> float:
     return value
 
 
+def _endpoint(raw: Any) -> str | None:
+    if not isinstance(raw, str):
+        raise TypeError("expected a ZeroMQ endpoint string")
+    return raw.strip() or None
+
+
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -97,6 +103,16 @@ class Settings:
     """Open replay connections beyond which requests are refused (counted)."""
     replay_max_active: int = _knob(8, _positive_int)
     """Replies sent at once (round-robin); later requests wait their turn."""
+    snapshot_endpoint: str | None = _knob(None, _endpoint)
+    """Opt-in state snapshots (vLLM PR #57789's protocol): the ROUTER endpoint that
+    answers ``b"snapshot"`` (bound; offset per DP rank like the others).  When set,
+    payloads carry a 16-byte ``publisher_id`` as a 4th element and an idle publisher
+    sends an empty batch every second; unset, the wire is vLLM 0.33's."""
+    snapshot_max_blocks: int = _knob(1_000_000, _positive_int)
+    """Blocks the snapshot recorder holds (keys, and hashes kept as ancestors) before
+    it declares itself unavailable until the next ``AllBlocksCleared``."""
+    snapshot_max_response_bytes: int = _knob(256 * 1024 * 1024, _positive_int)
+    """Bytes of chunks one snapshot reply may hold; a larger one is answered -2."""
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **explicit: Any) -> Settings:

@@ -21,14 +21,26 @@ END_SEQ = b"\xff" * 8
 
 
 class Encoder:
-    """msgspec msgpack encoding of any ``EventBatch``-like struct.  O(events), in C."""
+    """msgspec msgpack encoding of any ``EventBatch``-like struct.  O(events), in C.
 
-    def __init__(self) -> None:
+    With a ``publisher_id`` (snapshots on), each payload is
+    ``[ts, events, data_parallel_rank, publisher_id]``: the batch's fields,
+    encoded exactly as the struct encodes them, and the id as msgpack bin.
+    """
+
+    def __init__(self, publisher_id: bytes | None = None) -> None:
         self._enc = msgspec.msgpack.Encoder()
+        self._id = publisher_id
 
     def encode(self, batch: Any) -> bytes:
         """Encode one batch.  Raises whatever msgspec raises for an unencodable value."""
-        return self._enc.encode(batch)
+        if self._id is None:
+            return self._enc.encode(batch)
+        return self._enc.encode((batch.ts, batch.events, batch.data_parallel_rank, self._id))
+
+    def encode_raw(self, value: Any) -> bytes:
+        """Encode any value as it is."""
+        return self._enc.encode(value)
 
 
 def send_message(sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes) -> None:

@@ -51,7 +51,9 @@ __all__ = [
     "stock_drain_per_step",
 ]
 
-PUBLISHERS = ("stock", "drop", "coalesce")
+PUBLISHERS = ("stock", "drop", "coalesce", "coalesce+snap")
+"""``coalesce+snap`` is coalesce with opt-in snapshots (``snapshot_endpoint``): its
+subscriber heals a gap with a snapshot instead of resetting the rank."""
 QUEUE = 50
 """The demo's ``max_queue_size`` for every publisher (vLLM's default is 100,000).  Small,
 so that one 200-step burst overflows vLLM's queue whenever a burst step offers more than
@@ -88,6 +90,8 @@ class PublisherResult:
     gaps_seen: int = 0
     replays: int = 0
     resets: int = 0
+    recovered: int = 0
+    """Gaps the subscriber healed with a snapshot instead of a reset (coalesce+snap)."""
     missing: int = 0
     stale: int = 0
     silent: int = 0
@@ -217,13 +221,20 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _make_publisher(kind: str, rank: int, port: int, replay_port: int, queue: int) -> Any:
+def _make_publisher(
+    kind: str, rank: int, port: int, replay_port: int, queue: int, snap_port: int
+) -> Any:
     endpoint, replay = f"tcp://*:{port}", f"tcp://*:{replay_port}"
-    if kind == "coalesce":
+    if kind.startswith("coalesce"):
         from coalesce.publisher import CoalescingPublisher
 
+        snap = f"tcp://*:{snap_port}" if kind == "coalesce+snap" else None
         return CoalescingPublisher(
-            0, endpoint=endpoint, replay_endpoint=replay, max_queue_size=queue
+            0,
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            max_queue_size=queue,
+            snapshot_endpoint=snap,
         )
     from coalesce._baselines import REAL_VLLM, DropPublisher, StockPublisher
 
@@ -260,6 +271,7 @@ def _engine_main(
     rank: int,
     port: int,
     replay_port: int,
+    snap_port: int,
     queue: int,
     heard: Any,
     progress: Any,
@@ -285,7 +297,7 @@ def _engine_main(
     gc.collect()
     gc.freeze()  # keep cyclic-GC pauses over those objects out of the timings
     base_mb = peak_mb = _rss_mb()
-    pub = _make_publisher(kind, rank, port, replay_port, queue)
+    pub = _make_publisher(kind, rank, port, replay_port, queue, snap_port)
     while not heard.is_set():  # empty batches until the subscriber hears this rank
         pub.publish(KVEventBatch(ts=time.time(), events=[]))
         time.sleep(0.005)
@@ -357,7 +369,12 @@ def _engine_main(
 
 
 def _subscriber_main(
-    endpoints: list[str], replays: list[str | None], heard: list[Any], done: Any, out: Any
+    endpoints: list[str],
+    replays: list[str | None],
+    snapshots: list[str | None],
+    heard: list[Any],
+    done: Any,
+    out: Any,
 ) -> None:
     """Follow every rank until the engines are done and the stream has gone quiet."""
     from coalesce.subscriber import Subscriber
@@ -369,11 +386,15 @@ def _subscriber_main(
         wire["events"] += len(events)
         heard[endpoints.index(src.endpoint)].set()
 
-    sub = Subscriber(endpoints, replays, mode="refcount", on_batch=count)
+    sub = Subscriber(
+        endpoints, replays, mode="refcount", on_batch=count, snapshot_endpoints=snapshots
+    )
     quiet_since = time.monotonic()
+    seen = 0
     while True:
-        n = sub.poll(0.05)
-        if n:
+        sub.poll(0.05)
+        if wire["events"] != seen:  # quiet: no events (an idle publisher with snapshots
+            seen = wire["events"]  # on sends an empty batch every second)
             quiet_since = time.monotonic()
         elif done.is_set() and time.monotonic() - quiet_since > 1.0:
             break
@@ -383,6 +404,7 @@ def _subscriber_main(
             "gaps": [s.gaps for s in sub.sources],
             "replays": sum(s.replays for s in sub.sources),
             "resets": [s.resets for s in sub.sources],
+            "recovered": sum(s.recovered for s in sub.sources),
             "bytes": sum(s.bytes for s in sub.sources),
             **wire,
         }
@@ -397,9 +419,13 @@ def run_publisher(
     from coalesce._baselines import REAL_VLLM
 
     ctx = mp.get_context("spawn")
-    ports = _free_ports(2 * cfg.ranks)
+    ports = _free_ports(3 * cfg.ranks)
     endpoints = [f"tcp://127.0.0.1:{ports[r]}" for r in range(cfg.ranks)]
-    has_replay = kind == "coalesce" or REAL_VLLM
+    snapshots: list[str | None] = [
+        f"tcp://127.0.0.1:{ports[2 * cfg.ranks + r]}" if kind == "coalesce+snap" else None
+        for r in range(cfg.ranks)
+    ]
+    has_replay = kind.startswith("coalesce") or REAL_VLLM
     replays: list[str | None] = [
         f"tcp://127.0.0.1:{ports[cfg.ranks + r]}" if has_replay else None for r in range(cfg.ranks)
     ]
@@ -409,7 +435,9 @@ def run_publisher(
     sub_out: Any = ctx.Queue()
     eng_out: Any = ctx.Queue()
     progress = [ctx.Value("i", 0) for _ in range(cfg.ranks)]
-    sub = ctx.Process(target=_subscriber_main, args=(endpoints, replays, heard, done, sub_out))
+    sub = ctx.Process(
+        target=_subscriber_main, args=(endpoints, replays, snapshots, heard, done, sub_out)
+    )
     sub.start()
     engines = [
         ctx.Process(
@@ -420,6 +448,7 @@ def run_publisher(
                 r,
                 ports[r],
                 ports[cfg.ranks + r],
+                ports[2 * cfg.ranks + r],
                 queue,
                 heard[r],
                 progress[r],
@@ -458,7 +487,7 @@ def run_publisher(
         print(done_line, file=sys.stderr, flush=True)
     reports.sort(key=lambda r: r["rank"])
     res = PublisherResult(
-        publisher=kind, real_vllm=REAL_VLLM and kind != "coalesce", steps=cfg.steps
+        publisher=kind, real_vllm=REAL_VLLM and not kind.startswith("coalesce"), steps=cfg.steps
     )
     for r in reports:
         rank = r["rank"]
@@ -487,6 +516,7 @@ def run_publisher(
     res.gaps_seen = sum(subscriber["gaps"])
     res.replays = subscriber["replays"]
     res.resets = sum(subscriber["resets"])
+    res.recovered = subscriber["recovered"]
     res.replayed_messages = replayed
     return res
 
@@ -505,6 +535,7 @@ _COLUMNS = (
     ("blocked", "publish() calls that found vLLM's queue full and waited (stock only)"),
     ("gaps", "sequence gaps the subscriber saw"),
     ("resets", "times the subscriber reset a rank's index (it knew it was wrong)"),
+    ("recovered", "gaps the subscriber healed with a snapshot instead (coalesce+snap)"),
     ("missing", "blocks an engine holds that the subscriber lacks, at the end"),
     ("stale", "blocks the subscriber holds that no engine holds, at the end"),
     ("silent", "missing + stale on ranks with no gap and no reset: wrong, and nobody knows"),
@@ -533,6 +564,7 @@ def _table(results: list[PublisherResult]) -> str:
                 f"{r.blocked:,}",
                 f"{r.gaps_seen}",
                 f"{r.resets}",
+                f"{r.recovered}",
                 f"{r.missing:,}",
                 f"{r.stale:,}",
                 f"{r.silent:,}",
@@ -572,6 +604,12 @@ def conclusions(results: list[PublisherResult]) -> list[str]:
             loss = (
                 f"lost {r.dropped:,} batches with no gap: the subscriber ended with "
                 f"{r.silent:,} wrong blocks it cannot know about"
+            )
+        elif r.dropped and r.recovered and not (r.missing or r.stale):
+            loss = (
+                f"dropped {r.dropped:,} batches, every loss visible, and its subscriber "
+                f"healed all {r.recovered} gaps from snapshots: it ended with every "
+                "engine's true state"
             )
         elif r.dropped or r.missing or r.stale:
             loss = (

@@ -23,6 +23,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from dataclasses import asdict
@@ -32,9 +33,12 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog
+from coalesce._recorder import Recorder
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
+from coalesce._snapshot import SnapshotService
+from coalesce._wire import Encoder
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -54,7 +58,7 @@ class PublishOutcome(enum.Enum):
     subscribers as a sequence gap."""
 
 
-def _log_start(endpoint: str, replay: str | None) -> None:
+def _log_start(endpoint: str, replay: str | None, snapshot: str | None, pid: bytes | None) -> None:
     """Say once where this publisher is and which compaction rules it runs, and warn
     about vLLM's connect rule."""
     bind = is_bind_endpoint(endpoint)
@@ -64,6 +68,13 @@ def _log_start(endpoint: str, replay: str | None) -> None:
         "bound: subscribers connect here" if bind else "connecting to a subscriber bound there",
         "" if replay is None else f"; replay on {replay} (bound)",
     )
+    if snapshot is not None and pid is not None:
+        log.info(
+            "kv-coalesce: snapshots on %s (bound), publisher_id %s: payloads carry it as a "
+            "4th element, and an idle publisher sends an empty batch every second",
+            snapshot,
+            pid.hex(),
+        )
     log.info(
         "kv-coalesce: compaction rules run in %s",
         "C (the optional accelerator)"
@@ -151,12 +162,14 @@ class CoalescingPublisher:
         topic_b = topic.encode("utf-8")
         pub_ep = offset_endpoint(endpoint, data_parallel_rank)
         replay_ep = offset_endpoint(replay_endpoint, data_parallel_rank)
+        snap_ep = offset_endpoint(self.settings.snapshot_endpoint, data_parallel_rank)
         if not pub_ep:
             raise ValueError(f"endpoint must be a ZeroMQ endpoint, got {endpoint!r}")
 
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         pub: zmq.Socket[bytes] = ctx.socket(zmq.PUB)
         router: zmq.Socket[bytes] | None = None
+        snap_sock: zmq.Socket[bytes] | None = None
         try:
             pub.set_hwm(hwm)
             pub_ep = self._attach(pub, pub_ep, bind=is_bind_endpoint(pub_ep))
@@ -165,13 +178,20 @@ class CoalescingPublisher:
                 router.setsockopt(zmq.SNDHWM, self.settings.replay_window)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 replay_ep = self._attach(router, replay_ep, bind=True)
+            if snap_ep is not None:
+                snap_sock = ctx.socket(zmq.ROUTER)
+                snap_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                snap_ep = self._attach(snap_sock, snap_ep, bind=True)
         except BaseException:
-            pub.close(linger=0)
-            if router is not None:
-                router.close(linger=0)
+            for sock in (pub, router, snap_sock):
+                if sock is not None:
+                    sock.close(linger=0)
             raise
 
-        _log_start(pub_ep, replay_ep)
+        # 16 bytes that change only when the publisher restarts (PR #57789)
+        self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
+        self.snapshot_endpoint = snap_ep
+        _log_start(pub_ep, replay_ep, snap_ep, self.publisher_id)
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,
@@ -182,9 +202,26 @@ class CoalescingPublisher:
         )
         # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
         batch_budget = max_queue_size or sys.maxsize
+        # with snapshots on, batches refused over budget still reach the recorder, up
+        # to twice the event budget per loss (then it is unavailable until a clear)
         self._backlog = Backlog(
-            batch_budget, self.settings.max_pending_events, self.settings.stall_timeout
+            batch_budget,
+            self.settings.max_pending_events,
+            self.settings.stall_timeout,
+            record_events=0 if snap_sock is None else 2 * self.settings.max_pending_events,
         )
+        snapshot = None
+        if snap_sock is not None:
+            assert self.publisher_id is not None
+            snapshot = SnapshotService(
+                snap_sock,
+                Recorder(self.settings.snapshot_max_blocks),
+                Encoder(self.publisher_id),
+                self.publisher_id,
+                data_parallel_rank,
+                max_response_bytes=self.settings.snapshot_max_response_bytes,
+                max_deferred_events=self.settings.max_pending_events,
+            )
         self._batch_types: set[type] = set()
         self._sender = Sender(
             pub=pub,
@@ -194,6 +231,8 @@ class CoalescingPublisher:
             backlog=self._backlog,
             buffer=ReplayBuffer(buffer_steps),
             settings=self.settings,
+            snapshot=snapshot,
+            publisher_id=self.publisher_id,
         )
         # publish() wakes an idle sender past either of these
         self._wake_at = self.settings.high_watermark
@@ -311,6 +350,7 @@ class CoalescingPublisher:
             compactor_accelerated=accelerated(),
             **t.published(),
             **(r.published() if r is not None else ReplayService.NOTHING),
+            **(s.snapshot.published() if s.snapshot is not None else SnapshotService.NOTHING),
         )
 
     def get_publisher_config(self) -> Any:

@@ -80,6 +80,18 @@ class PublisherStats:
     replay_abandoned: int = _counter(
         "Replies cut short: their client had gone, or stopped reading for too long."
     )
+    snapshot_requests: int = _counter("Well-formed snapshot requests accepted.")
+    snapshot_invalid: int = _counter("Snapshot requests ignored (malformed, or too many waiting).")
+    snapshot_replies: int = _counter("Snapshots sent (a seq and the state's chunks).")
+    snapshot_unavailable: int = _counter(
+        "Snapshot requests answered -2: the recorder was not exact, or a reply was abandoned."
+    )
+    snapshot_abandoned: int = _counter("Snapshot replies that could not be sent (client gone).")
+    snapshot_blocks: int = _gauge("Keys the snapshot recorder holds right now.")
+    snapshot_exact: bool = _gauge(
+        "1 while snapshots are on and the recorder is exact; 0 while it is unavailable "
+        "(until the next AllBlocksCleared) or snapshots are off."
+    )
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for JSON or metrics)."""

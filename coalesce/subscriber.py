@@ -29,6 +29,17 @@ Sequence handling, per source:
 - A gap longer than ``max_replay`` messages (the publisher's ``buffer_steps``)
   is not asked for: replay could not fill it, so the source resets at once.
 
+With a snapshot endpoint (the publisher's ``snapshot_endpoint``, vLLM PR
+#57789's protocol), the first message of a source and every gap that replay
+cannot fill start a *bootstrap* instead: the subscriber asks for a snapshot,
+builds a new index from it, takes its seq as the last one applied, and goes
+on with the messages after it (those it covers are ignored; live messages
+wait in the SUB socket meanwhile).  Payloads then carry the publisher's
+16-byte ``publisher_id``: a message with another id is a restart.  If the
+snapshot is unavailable (-2), not yet possible (-1) or does not come, the
+rules above apply.  ``snapshots`` counts bootstraps, ``recovered`` the gaps a
+snapshot healed instead of a reset.
+
 Nothing that arrives on the wire makes :meth:`Subscriber.poll` raise.  A
 message that does not decode, or whose known events do not validate (a hash
 that is not an int or bytes, a ``ts`` that is not a number...), is counted in
@@ -174,17 +185,18 @@ def _apply_to_index(index: SubscriberModel, events: list[IndexEvent]) -> Counter
 def decode_batch(payload: bytes) -> tuple[float, list[msgspec.Struct], int | None, int]:
     """Decode one payload: ``(ts, known events, data_parallel_rank, unknown count)``.
 
-    Raises ``ValueError`` if the payload is not msgpack, not a 2- or 3-element
-    batch array with a number ``ts`` and an int or nil rank, or if a known
-    event does not validate.  An event with an unknown tag is skipped and
-    counted.  The events are full :mod:`coalesce.events` structs (every field
-    is built); the subscriber itself decodes only what its index needs.
+    Raises ``ValueError`` if the payload is not msgpack, not a 2- to 4-element
+    batch array (a 4th, the ``publisher_id``, is ignored here) with a number
+    ``ts`` and an int or nil rank, or if a known event does not validate.  An
+    event with an unknown tag is skipped and counted.  The events are full
+    :mod:`coalesce.events` structs (every field is built); the subscriber
+    itself decodes only what its index needs.
     """
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"not msgpack: {exc}") from None
-    if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
+    if not isinstance(raw, list) or len(raw) not in (2, 3, 4) or not isinstance(raw[1], list):
         raise ValueError("not an event batch: expected [ts, events, data_parallel_rank]")
     ts, rank = raw[0], raw[2] if len(raw) == 3 else None
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
@@ -213,6 +225,13 @@ def _decode_for_index(payload: bytes) -> tuple[float, list[IndexEvent], int | No
     return ts, [_index_view(ev) for ev in events], rank, unknown
 
 
+def publisher_id(payload: bytes) -> bytes | None:
+    """The 16-byte ``publisher_id`` of a 4-element payload (snapshots on), else None.  O(1)."""
+    if payload[:1] == b"\x94" and payload[-18:-16] == b"\xc4\x10":
+        return payload[-16:]
+    return None
+
+
 @dataclass
 class Source:
     """What the subscriber knows of one publisher."""
@@ -220,6 +239,9 @@ class Source:
     endpoint: str
     replay_endpoint: str | None
     index: SubscriberModel
+    snapshot_endpoint: str | None = None
+    publisher_id: bytes | None = None
+    """The id the last message carried (snapshots on); another id is a restart."""
     last_seq: int | None = None
     partial: bool = False
     """The index started from an incomplete history (joined late or reset)."""
@@ -231,6 +253,12 @@ class Source:
     replayed_messages: int = 0
     resets: int = 0
     restarts: int = 0
+    snapshots: int = 0
+    """Indexes built from a snapshot (first messages, and gaps replay could not fill)."""
+    recovered: int = 0
+    """Of those, gaps that a snapshot healed where the index would have been reset."""
+    snapshot_failures: int = 0
+    """Snapshot requests that gave no usable state (-1, -2, no answer, bad chunks)."""
     unknown_events: int = 0
     """Events skipped because their tag is unknown (the rest of the batch applied)."""
     bad_messages: int = 0
@@ -260,8 +288,9 @@ class Subscriber:
     :class:`IndexCleared`: hashes, parent, medium, group), whatever the
     encoding; use :func:`decode_batch` on a payload for full events.  With
     ``bind``, the SUB sockets bind ``endpoints`` instead of connecting (for a
-    publisher whose endpoint names a host, which connects: vLLM's rule).  Not
-    thread-safe: use it from one thread.
+    publisher whose endpoint names a host, which connects: vLLM's rule).
+    ``snapshot_endpoints`` pair with ``endpoints`` like the replay ones (module
+    docstring).  Not thread-safe: use it from one thread.
     """
 
     def __init__(
@@ -277,14 +306,19 @@ class Subscriber:
         on_batch: Callable[[Source, int, float, list[Any], int | None], None] | None = None,
         context: zmq.Context[Any] | None = None,
         bind: bool = False,
+        snapshot_endpoints: str | Sequence[str | None] | None = None,
     ) -> None:
         eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        if replay_endpoints is None or isinstance(replay_endpoints, str):
-            reps: list[str | None] = [replay_endpoints] * len(eps)
-        else:
-            reps = list(replay_endpoints)
-        if len(reps) != len(eps):
-            raise ValueError("replay_endpoints must pair one to one with endpoints")
+
+        def paired(given: str | Sequence[str | None] | None, name: str) -> list[str | None]:
+            if given is None or isinstance(given, str):
+                return [given] * len(eps)
+            if len(given) != len(eps):
+                raise ValueError(f"{name} must pair one to one with endpoints")
+            return list(given)
+
+        reps = paired(replay_endpoints, "replay_endpoints")
+        snaps = paired(snapshot_endpoints, "snapshot_endpoints")
         if max_replay < 1:
             raise ValueError(f"max_replay must be >= 1, got {max_replay!r}")
         self._ctx = context or zmq.Context.instance()
@@ -295,7 +329,7 @@ class Subscriber:
         self.sources: list[Source] = []
         self._socks: list[zmq.Socket[bytes]] = []
         self._poller = zmq.Poller()
-        for ep, rep in zip(eps, reps, strict=True):
+        for ep, rep, snap in zip(eps, reps, snaps, strict=True):
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -307,7 +341,7 @@ class Subscriber:
                 sock.connect(ep)
             self._poller.register(sock, zmq.POLLIN)
             self._socks.append(sock)
-            self.sources.append(Source(ep, rep, SubscriberModel(mode)))
+            self.sources.append(Source(ep, rep, SubscriberModel(mode), snapshot_endpoint=snap))
 
     # -- receiving ---------------------------------------------------------------
 
@@ -339,22 +373,96 @@ class Subscriber:
             src.bad_messages += 1
             return 0
         seq = int.from_bytes(frames[1], "big")
+        payload = frames[2]
+        pid = publisher_id(payload)
         last = src.last_seq
-        if last is not None and seq <= last:
-            if src.recent.get(seq) == hash(frames[2]):
-                src.duplicates += 1
+        if last is not None and pid != src.publisher_id:
+            src.restarts += 1  # another publisher_id: the publisher restarted
+            self._reset(src)
+            src.last_seq = last = None
+        elif last is not None and seq <= last:
+            if (pid is not None and pid == src.publisher_id) or src.recent.get(seq) == hash(
+                payload
+            ):
+                src.duplicates += 1  # replayed, or covered by a snapshot
                 return 0
             src.restarts += 1  # same seq, other content: a new publisher
             self._reset(src)
             src.last_seq = last = None
         if last is None:
+            if src.snapshot_endpoint is not None and self._bootstrap(src):
+                return self._after_bootstrap(src, seq, payload, pid)
             if seq > 0:
                 self._catch_up(src, 0, seq, first=True)
         elif seq > last + 1:
             src.gaps += 1
-            self._catch_up(src, last + 1, seq, first=False)
-        self._apply(src, seq, frames[2])
+            if src.snapshot_endpoint is None:
+                self._catch_up(src, last + 1, seq, first=False)
+            elif not self._catch_up(src, last + 1, seq, first=False, reset=False):
+                if self._bootstrap(src):
+                    src.recovered += 1
+                    return self._after_bootstrap(src, seq, payload, pid)
+                self._reset(src)
+        src.publisher_id = pid
+        self._apply(src, seq, payload)
         return 1
+
+    def _after_bootstrap(self, src: Source, seq: int, payload: bytes, pid: bytes | None) -> int:
+        """The message that started a bootstrap, against the snapshot's seq."""
+        last = src.last_seq
+        assert last is not None
+        if pid != src.publisher_id:  # the snapshot came from a newer publisher
+            return 0
+        if seq <= last:
+            src.duplicates += 1  # covered by the snapshot
+            return 0
+        if seq > last + 1 and not self._catch_up(src, last + 1, seq, first=False, reset=False):
+            self._reset(src)  # a second loss at once: the old rules
+        self._apply(src, seq, payload)
+        return 1
+
+    def _bootstrap(self, src: Source) -> bool:
+        """Ask for a snapshot and make it the source's index.  Returns False if none came.
+
+        Synchronous: waits up to ``replay_timeout`` for the reply.
+        """
+        assert src.snapshot_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(src.snapshot_endpoint)
+            dealer.send(b"snapshot")
+            if not dealer.poll(int(self._replay_timeout * 1000)):
+                src.snapshot_failures += 1
+                return False
+            frames = dealer.recv_multipart()
+        finally:
+            dealer.close()
+        if len(frames) < 2 or len(frames[0]) != 8 or len(frames[1]) != 16:
+            src.snapshot_failures += 1
+            return False
+        snap_seq = int.from_bytes(frames[0], "big", signed=True)
+        if snap_seq < 0:
+            src.snapshot_failures += 1  # -1 nothing sent yet, -2 unavailable
+            return False
+        index = SubscriberModel(src.index.mode)
+        kinds: Counter[str] = Counter()
+        try:
+            for chunk in frames[2:]:
+                _, events, _, _ = _decode_for_index(chunk)
+                kinds.update(_apply_to_index(index, events))
+        except ValueError:
+            src.snapshot_failures += 1
+            return False
+        src.snapshots += 1
+        src.index = index
+        src.events.update(kinds)
+        src.partial = False
+        src.publisher_id = frames[1]
+        src.last_seq = snap_seq
+        src.recent.clear()
+        src.recent_order.clear()
+        return True
 
     def _apply(self, src: Source, seq: int, payload: bytes) -> None:
         try:
@@ -384,17 +492,23 @@ class Subscriber:
         src.recent.clear()
         src.recent_order.clear()
 
-    def _catch_up(self, src: Source, start: int, until: int, first: bool) -> None:
+    def _catch_up(
+        self, src: Source, start: int, until: int, first: bool, reset: bool = True
+    ) -> bool:
         """Replay ``[start, until)``; reset (or mark partial) if that is impossible.
 
-        O(reply) memory, whatever ``until - start`` is: a gap longer than
-        ``max_replay`` is not asked for at all.
+        Returns True if the gap was filled.  With ``reset=False`` an incomplete
+        reply is not applied and nothing is reset: the caller decides.  O(reply)
+        memory, whatever ``until - start`` is: a gap longer than ``max_replay``
+        is not asked for at all.
         """
         got: list[tuple[int, bytes]] | None = None
         if src.replay_endpoint is not None and until - start <= self._max_replay:
             got = self._replay(src, start, until)
         complete = bool(got and got[0][0] == start and got[-1][0] == until - 1)
         if not complete:
+            if not reset:
+                return False
             if first:
                 src.partial = True
             else:
@@ -402,6 +516,7 @@ class Subscriber:
         for seq, payload in got or ():
             self._apply(src, seq, payload)
         src.replayed_messages += len(got or ())
+        return complete
 
     def _replay(self, src: Source, start: int, until: int) -> list[tuple[int, bytes]] | None:
         """Ask the source's ROUTER for ``seq >= start``; keep a contiguous run below ``until``.
@@ -471,6 +586,9 @@ class Subscriber:
             "replayed_messages",
             "resets",
             "restarts",
+            "snapshots",
+            "recovered",
+            "snapshot_failures",
             "unknown_events",
             "bad_messages",
         )

@@ -91,6 +91,9 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
     assert ours["silent"] == 0
     assert ours["missing"] + ours["stale"] == 0 or ours["resets"] > 0
     assert ours["events_on_wire"] <= ours["events_in"]
+    snap = {r["publisher"]: r for r in data["results"]}["coalesce+snap"]
+    assert snap["silent"] == 0 and snap["steps"] == 120
+    assert snap["missing"] + snap["stale"] == 0 or snap["resets"] > 0
     stock = {r["publisher"]: r for r in data["results"]}["stock"]
     if batch_events:  # many small batches per step: one publish() each
         assert stock["messages"] > 120 * 2
@@ -170,3 +173,31 @@ def test_bursts_are_sized_to_the_event_budget_and_the_drain_rate_is_measured():
     assert drain > 0
     loaded, drain2 = size_bursts(small, load=2.0)
     assert loaded.burst_requests == max(1, int(2.0 * drain2 // (3 * small.burst_blocks + 1)))
+
+
+def test_subscribe_with_a_snapshot_gets_what_was_cached_before_it_started():
+    port, snap = free_port(), free_port()
+    pub = CoalescingPublisher(endpoint=f"tcp://*:{port}", snapshot_endpoint=f"tcp://*:{snap}")
+    try:
+        for i in range(100):
+            pub.publish(KVEventBatch(float(i), [BlockStored([i], None, [], 4, None, "GPU", None)]))
+        assert pub.flush(10.0)
+        run = subprocess.run(  # it hears the idle publisher's heartbeat, then asks
+            cli(
+                "subscribe",
+                f"tcp://127.0.0.1:{port}",
+                "--snapshot",
+                f"tcp://127.0.0.1:{snap}",
+                "--seconds",
+                "4",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        pub.shutdown()
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["snapshots"] == 1 and summary["resets"] == 0
+    assert summary["index_size"] == 100

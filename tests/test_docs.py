@@ -55,6 +55,9 @@ def test_the_knobs_table_lists_every_knob_with_its_variable_and_default() -> Non
     defaults = Settings()
     for f in fields(Settings):
         value = getattr(defaults, f.name)
-        shown = str(int(value)) if isinstance(value, bool) else f"{value:,}"
+        if value is None:
+            shown = "none"
+        else:
+            shown = str(int(value)) if isinstance(value, bool) else f"{value:,}"
         assert f.name in rows, f"{f.name} is missing from docs/backpressure.md"
         assert rows[f.name] == (env_name(f.name), shown), f.name

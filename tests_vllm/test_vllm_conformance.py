@@ -399,3 +399,41 @@ def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
     assert ours.flush(10)
     st = ours.stats()
     assert st.batches_dropped > 0 and st.batches_in >= 10
+
+
+def test_snapshots_through_vllms_config_decode_with_vllms_types(
+    enabled, made, make_sub, monkeypatch
+):
+    """vLLM 0.33's config forbids unknown keys: the variable turns snapshots on.  Live
+    payloads and snapshot chunks (4 elements) decode with vLLM's own types."""
+    ep, snap = inproc("pub"), inproc("snap")
+    monkeypatch.setenv("COALESCE_SNAPSHOT_ENDPOINT", snap)
+    sub = make_sub(ep)
+    pub = create(made, endpoint=ep)
+    assert pub.snapshot_endpoint == snap and pub.publisher_id is not None
+    batches = [offload(i) for i in range(40)]
+    for b in batches:
+        pub.publish(b)
+    assert pub.flush(20)
+    msgs = sub.recv_until_seq(pub.stats().messages_sent - 1)
+    dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
+    assert all(msgspec.msgpack.decode(m[2])[3] == pub.publisher_id for m in msgs)
+    live = [dec.decode(m[2]) for m in msgs]
+    want = SubscriberModel("refcount").apply_batches(batches).state()
+    assert SubscriberModel("refcount").apply_batches(live).state() == want
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(snap)
+    try:
+        dealer.send(b"snapshot")
+        assert dealer.poll(10_000)
+        frames = dealer.recv_multipart()
+    finally:
+        dealer.close()
+    assert int.from_bytes(frames[0], "big", signed=True) >= 0
+    assert frames[1] == pub.publisher_id
+    chunks = [dec.decode(f) for f in frames[2:]]
+    for mode in ("refcount", "llmd", "dynamo"):
+        model = SubscriberModel(mode).apply_batches(chunks)
+        assert model.dropped_stores == 0
+        assert model.state() == SubscriberModel(mode).apply_batches(batches).state(), mode

@@ -1,0 +1,262 @@
+"""The snapshot service: answers ``b"snapshot"`` on its own ROUTER (vLLM PR #57789's shape).
+
+Request: one frame ``b"snapshot"`` (from a DEALER; a REQ's empty delimiter
+is kept and echoed).  Reply: one multipart message ``[seq, publisher_id,
+chunk...]`` where ``seq`` is 8 signed big-endian bytes naming the last
+message the snapshot covers (-1: nothing sent yet; -2: unavailable) and each
+chunk is one encoded batch ``[ts, events, data_parallel_rank, publisher_id]``
+of rebuilt stores (:class:`coalesce._recorder.Recorder`).
+
+The sender thread owns it and calls :meth:`SnapshotService.step` from its
+loop.  A reply is built a chunk per step (bounded work), while live sending
+goes on between steps; the recorder is frozen meanwhile, and the batches it
+should record wait in a deferred list, applied once the reply is built.
+Requests that arrive while a reply is being built wait for the next one,
+which starts from the newer state.  Nothing here touches ``publish()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, cast
+
+import zmq
+
+from coalesce._recorder import Recorder
+from coalesce._wire import Encoder
+
+__all__ = ["SnapshotService", "UNAVAILABLE", "NOTHING_SENT"]
+
+log = logging.getLogger("coalesce")
+
+NOTHING_SENT = -1
+UNAVAILABLE = -2
+REQUEST = b"snapshot"
+
+_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
+_MORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+
+
+class _Round:
+    """One reply being built: its seq, who waits for it, its chunks so far."""
+
+    __slots__ = ("chunks", "clients", "frames", "seq", "size")
+
+    def __init__(self, seq: int, clients: list[list[bytes]], chunks: Iterator[list[Any]]) -> None:
+        self.seq = seq
+        self.clients = clients
+        self.chunks = chunks
+        self.frames: list[bytes] = []
+        self.size = 0
+
+
+class SnapshotService:
+    """The recorder's feed and the snapshot ROUTER.  See the module docstring."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        recorder: Recorder,
+        encoder: Encoder,
+        publisher_id: bytes,
+        rank: int,
+        *,
+        max_response_bytes: int,
+        max_deferred_events: int,
+        max_waiting: int = 64,
+    ) -> None:
+        self._sock = sock
+        self.recorder = recorder
+        self._encoder = encoder
+        self._id = publisher_id
+        self._rank = rank
+        self._max_bytes = max_response_bytes
+        self._max_deferred = max_deferred_events
+        self._max_waiting = max_waiting
+        self._waiting: list[list[bytes]] = []
+        self._round: _Round | None = None
+        self._deferred: deque[Any] = deque()
+        self._deferred_events = 0
+        self.requests = 0
+        self.invalid = 0
+        self.refused = 0
+        self.replies = 0
+        self.unavailable = 0
+        self.abandoned = 0
+        self.chunks_sent = 0
+        self._was_valid = True
+
+    def published(self) -> dict[str, Any]:
+        """The counters as ``PublisherStats`` fields."""
+        rec = self.recorder
+        return {
+            "snapshot_requests": self.requests,
+            "snapshot_invalid": self.invalid + self.refused,
+            "snapshot_replies": self.replies,
+            "snapshot_unavailable": self.unavailable,
+            "snapshot_abandoned": self.abandoned,
+            "snapshot_blocks": rec.held,
+            "snapshot_exact": rec.valid,
+        }
+
+    NOTHING: ClassVar[dict[str, Any]] = {
+        "snapshot_requests": 0,
+        "snapshot_invalid": 0,
+        "snapshot_replies": 0,
+        "snapshot_unavailable": 0,
+        "snapshot_abandoned": 0,
+        "snapshot_blocks": 0,
+        "snapshot_exact": False,
+    }
+
+    # -- the feed ----------------------------------------------------------------
+
+    def record(self, batch: Any) -> None:
+        """Give the recorder one batch (published, sent or lost), in publish order.
+
+        O(hashes); deferred (O(1)) while a reply is being built.  Past
+        ``max_deferred_events`` waiting the reply is abandoned (its clients get
+        ``-2`` and ask again) so that the deferred list stays bounded.
+        """
+        if self._round is None:
+            self._record(batch)
+            return
+        self._deferred.append(batch)
+        with contextlib.suppress(Exception):  # the recorder will find it out
+            self._deferred_events += len(batch.events)
+        if self._deferred_events > self._max_deferred:
+            self._finish(UNAVAILABLE, "the live stream outran it")
+
+    def invalidate(self, reason: str) -> None:
+        """Batches were lost before reaching the recorder: it cannot be exact."""
+        if self._round is not None:
+            self._finish(UNAVAILABLE, reason)
+        self.recorder.invalidate(reason)
+        self._say()
+
+    def _record(self, batch: Any) -> None:
+        self.recorder.record(batch)
+        if self.recorder.valid != self._was_valid:
+            self._say()
+
+    def _say(self) -> None:
+        rec = self.recorder
+        self._was_valid = rec.valid
+        if rec.valid:
+            log.info("kv-coalesce: the snapshot recorder is exact again (after a clear)")
+        else:
+            log.warning(
+                "kv-coalesce: snapshots unavailable (%s) until the next AllBlocksCleared",
+                rec.reason,
+            )
+
+    # -- the ROUTER ----------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """A reply is being built, or requests wait."""
+        return self._round is not None or bool(self._waiting)
+
+    def step(self, covered_seq: Callable[[], int]) -> bool:
+        """Read requests; start a reply, or build one more chunk of it.  Never blocks.
+
+        ``covered_seq()`` names the last message the recorder's state covers
+        (it may consume a pending skipped seq).  Returns True if it did anything.
+        """
+        did = self._read()
+        rnd = self._round
+        if rnd is None:
+            if not self._waiting:
+                return did
+            clients, self._waiting = self._waiting, []
+            if not self.recorder.valid:
+                self._reply(clients, UNAVAILABLE, [])
+                return True
+            seq = covered_seq()
+            if seq < 0:
+                self._reply(clients, NOTHING_SENT, [])
+                return True
+            self._round = _Round(seq, clients, self.recorder.chunks())
+            return True
+        chunk = next(rnd.chunks, None)
+        if chunk is None:
+            self._finish(rnd.seq, "")
+            return True
+        batch = (time.time(), chunk, self._rank, self._id)
+        try:
+            payload = self._encoder.encode_raw(batch)
+        except Exception as exc:  # a recorded value msgspec cannot encode
+            self._finish(UNAVAILABLE, f"a recorded event does not encode ({type(exc).__name__})")
+            self.recorder.invalidate(f"a recorded event does not encode: {exc!s:.200}")
+            self._say()
+            return True
+        rnd.frames.append(payload)
+        rnd.size += len(payload)
+        if rnd.size > self._max_bytes:
+            self._finish(UNAVAILABLE, "larger than snapshot_max_response_bytes")
+        return True
+
+    def _read(self) -> bool:
+        sock, did = self._sock, False
+        for _ in range(16):  # requests read per step: bounded too
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                break
+            frames = sock.recv_multipart()
+            did = True
+            if (
+                frames[-1] != REQUEST
+                or len(frames) not in (2, 3)
+                or frames[1:-1] not in ([], [b""])
+            ):
+                self.invalid += 1
+                log.debug("ignored a malformed snapshot request of %d frames", len(frames))
+            elif len(self._waiting) >= self._max_waiting:
+                self.refused += 1
+            else:
+                self.requests += 1
+                self._waiting.append(frames[:-1])  # identity (and a REQ's delimiter)
+        return did
+
+    def _finish(self, seq: int, why: str) -> None:
+        """Send the round's reply (or ``-2``), then let the recorder catch up."""
+        rnd, self._round = self._round, None
+        assert rnd is not None
+        if seq == UNAVAILABLE:
+            log.warning("kv-coalesce: a snapshot reply was abandoned: %s", why)
+            self._reply(rnd.clients, UNAVAILABLE, [])
+        else:
+            self._reply(rnd.clients, seq, rnd.frames)
+        deferred, self._deferred, self._deferred_events = self._deferred, deque(), 0
+        for batch in deferred:
+            self._record(batch)
+
+    def close(self) -> None:
+        """Close the ROUTER (the sender thread calls it when it stops)."""
+        self._round = None
+        self._deferred.clear()
+        self._sock.close(linger=0)
+
+    def _reply(self, clients: list[list[bytes]], seq: int, frames: list[bytes]) -> None:
+        head = seq.to_bytes(8, "big", signed=True)
+        sock = self._sock
+        for envelope in clients:
+            try:
+                sock.send(envelope[0], _MORE | _NOBLOCK)  # routing and the HWM: this frame
+                for part in envelope[1:]:
+                    sock.send(part, _MORE)
+                sock.send(head, _MORE)
+                sock.send(self._id, _MORE if frames else 0)
+                for i, frame in enumerate(frames):
+                    sock.send(frame, _MORE if i + 1 < len(frames) else 0, copy=False)
+            except zmq.ZMQError:
+                self.abandoned += 1  # gone (EHOSTUNREACH) or not reading (EAGAIN)
+                continue
+            if seq == UNAVAILABLE:
+                self.unavailable += 1
+            else:
+                self.replies += 1
+                self.chunks_sent += len(frames)

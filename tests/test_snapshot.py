@@ -1,0 +1,335 @@
+"""Snapshots (opt-in, vLLM PR #57789's protocol) over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coalesce import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CoalescingPublisher,
+    KVEventBatch,
+    PublishOutcome,
+)
+from coalesce.refmodel import SubscriberModel
+from coalesce.subscriber import Subscriber, decode_batch, publisher_id
+from tests.conftest import held, inproc, wait_for
+from tests.streams import batch_lists
+
+
+def store(hs: list[int], parent: int | None, medium: str = "GPU", tokens: Any = None) -> Any:
+    toks = [h * 4 + i for h in hs for i in range(4)] if tokens is None else tokens
+    return BlockStored(hs, parent, toks, 4, None, medium, None)
+
+
+def batch(*events: Any, ts: float = 1.0) -> KVEventBatch:
+    return KVEventBatch(ts, list(events), 0)
+
+
+def offload(i: int) -> KVEventBatch:
+    evs: list[Any] = [store([i + 1], i or None)]
+    if i >= 4:
+        evs += [BlockRemoved([i - 3], "GPU"), store([i - 3], (i - 4) or None, "CPU")]
+    return batch(*evs, ts=float(i))
+
+
+def truth(batches: list[Any], mode: Any = "refcount") -> dict[Any, int]:
+    return SubscriberModel(mode).apply_batches(batches).state()
+
+
+@pytest.fixture
+def snap_pub():
+    made: list[CoalescingPublisher] = []
+
+    def make(ep: str | None = None, **kw: Any) -> tuple[CoalescingPublisher, str, str]:
+        ep, snap = ep or inproc("pub"), inproc("snap")
+        p = CoalescingPublisher(endpoint=ep, snapshot_endpoint=snap, **kw)
+        made.append(p)
+        return p, ep, snap
+
+    yield make
+    for p in made:
+        p.shutdown()
+
+
+def request(endpoint: str, *, req: bool = False, timeout: float = 10.0) -> list[bytes]:
+    sock = zmq.Context.instance().socket(zmq.REQ if req else zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(b"snapshot")
+        assert sock.poll(int(timeout * 1000)), "no snapshot reply"
+        return sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+def reply_state(frames: list[bytes], mode: Any = "refcount") -> tuple[int, SubscriberModel]:
+    seq = int.from_bytes(frames[0], "big", signed=True)
+    model = SubscriberModel(mode)
+    for chunk in frames[2:]:
+        raw = msgspec.msgpack.decode(chunk)
+        assert len(raw) == 4 and raw[3] == frames[1], "chunks carry the publisher_id"
+        _, events, _, _ = decode_batch(chunk)
+        for ev in events:
+            model.apply_event(ev)
+    return seq, model
+
+
+def test_off_by_default_the_wire_is_vllms(make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)  # inproc: connected before the bind, so it hears everything
+    with CoalescingPublisher(endpoint=ep) as p:
+        p.publish(offload(0))
+        (_, _, payload) = sub.recv()
+        assert len(msgspec.msgpack.decode(payload)) == 3 and publisher_id(payload) is None
+        assert p.publisher_id is None and not p.stats().snapshot_exact
+
+
+def test_payloads_carry_the_publisher_id_and_an_idle_publisher_beats(snap_pub, make_sub):
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p, _, _ = snap_pub(ep)
+    assert p.publisher_id is not None and len(p.publisher_id) == 16
+    b = offload(5)
+    p.publish(b)
+    (_, first, payload) = sub.recv()
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[:3] == msgspec.msgpack.decode(msgspec.msgpack.encode(b))
+    assert raw[3] == p.publisher_id == publisher_id(payload)
+    # nothing published: within a few seconds an empty batch takes the next seq
+    (_, seq, payload) = sub.recv(timeout=5.0)
+    assert seq == first + 1
+    assert msgspec.msgpack.decode(payload)[1] == []
+
+
+@pytest.mark.parametrize("req", [False, True], ids=["dealer", "req"])
+def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
+    p, _, snap = snap_pub()
+    batches = [offload(i) for i in range(60)] + [batch(BlockRemoved([3, 9], "CPU"))]
+    for b in batches:
+        p.publish(b)
+    assert p.flush(10.0)
+    frames = request(snap, req=req)
+    seq, model = reply_state(frames)
+    assert frames[1] == p.publisher_id
+    sent = p.stats().messages_sent
+    assert seq <= sent - 1
+    assert model.state() == truth(batches)
+    for mode in ("llmd", "dynamo"):
+        _, strict = reply_state(frames, mode)
+        assert strict.dropped_stores == 0 and strict.state() == truth(batches, mode)
+    wait_for(lambda: p.stats().snapshot_replies == 1, what="the reply to be counted")
+    assert p.stats().snapshot_blocks == len(truth(batches))
+
+
+def test_nothing_sent_yet_is_minus_one(snap_pub):
+    p, _, snap = snap_pub()
+    frames = request(snap)
+    if p.stats().messages_sent == 0:  # no heartbeat yet (it comes after a second)
+        assert frames[:2] == [(-1).to_bytes(8, "big", signed=True), p.publisher_id]
+        assert len(frames) == 2
+
+
+def test_bad_requests_are_ignored_and_counted_and_two_clients_get_the_same_state(snap_pub):
+    p, _, snap = snap_pub()
+    for i in range(30):
+        p.publish(offload(i))
+    assert p.flush(10.0)
+    ctx = zmq.Context.instance()
+    bad = ctx.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    bad.connect(snap)
+    bad.send(b"nope")
+    bad.send_multipart([b"snapshot", b"extra"])
+    wait_for(lambda: p.stats().snapshot_invalid == 2, what="both bad requests counted")
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (a, b):
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(snap)
+        s.send(b"snapshot")
+    got = []
+    for s in (a, b):
+        assert s.poll(10_000)
+        got.append(s.recv_multipart())
+        s.close()
+    assert not bad.poll(100), "a bad request gets no answer"
+    bad.close()
+    assert (
+        reply_state(got[0])[1].state()
+        == reply_state(got[1])[1].state()
+        == truth([offload(i) for i in range(30)])
+    )
+
+
+def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub):
+    p, _, snap = snap_pub(max_queue_size=3, high_watermark=1, stall_timeout=0)
+    batches = [offload(i) for i in range(40)]
+    with held(p):
+        outcomes = [p.publish(b) for b in batches[:30]]
+    assert PublishOutcome.DROPPED in outcomes
+    assert p.flush(10.0)
+    for b in batches[30:]:
+        assert p.publish(b) is PublishOutcome.QUEUED
+        assert p.flush(10.0)
+    s = p.stats()
+    assert s.batches_dropped > 0 and s.seq_gaps > 0 and s.snapshot_exact
+    _, model = reply_state(request(snap))
+    assert model.state() == truth(batches), "the refused batches are in the state"
+
+
+def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub):
+    p, _, snap = snap_pub()
+    p.publish(batch(store([1], None)))
+    p.publish(batch(store([2], 1, tokens=[object()])))  # lost at encode: a gap
+    assert p.flush(10.0)
+    assert p.stats().encode_failures == 1
+    frames = request(snap)
+    assert int.from_bytes(frames[0], "big", signed=True) == -2
+    wait_for(lambda: p.stats().snapshot_unavailable == 1, what="the -2 to be counted")
+    assert not p.stats().snapshot_exact
+    p.publish(batch(AllBlocksCleared(), store([7], None)))
+    assert p.flush(10.0)
+    assert p.stats().snapshot_exact
+    seq, model = reply_state(request(snap))
+    assert seq >= 0 and model.state() == {("GPU", None, 7): 1}
+
+
+def test_a_subscriber_heals_a_gap_with_a_snapshot_instead_of_a_reset(snap_pub):
+    ep, snap = inproc("pub"), inproc("snap")
+    batches: list[Any] = []
+    with Subscriber(ep, mode="refcount", snapshot_endpoints=snap) as sub:
+        p = CoalescingPublisher(
+            endpoint=ep,
+            snapshot_endpoint=snap,
+            max_queue_size=3,
+            high_watermark=1,
+            stall_timeout=0,
+        )
+        wait_for(lambda: _heard(p, sub), what="the subscriber to hear the publisher")
+        batches += [offload(i) for i in range(8)]
+        for b in batches:
+            p.publish(b)
+        with held(p):
+            more = [offload(i) for i in range(8, 40)]
+            outcomes = [p.publish(b) for b in more]
+        batches += more
+        assert PublishOutcome.DROPPED in outcomes
+        assert p.flush(10.0)
+        tail = [offload(i) for i in range(40, 50)]
+        batches += tail
+        for b in tail:
+            assert p.publish(b) is PublishOutcome.QUEUED
+            assert p.flush(10.0)
+        last = p.stats().messages_sent + p.stats().seq_gaps - 1
+        wait_for(lambda: _caught_up(sub, last), what="the subscriber to reach the last seq")
+        p.shutdown()
+        src = sub.sources[0]
+        assert src.gaps >= 1 and src.recovered >= 1 and src.resets == 0
+        assert src.index.state() == truth(batches)
+
+
+def _heard(p: CoalescingPublisher, sub: Subscriber) -> bool:
+    """Publish a no-op until the subscriber has applied one (the SUB slow-joiner)."""
+    if sub.sources[0].last_seq is None:
+        p.publish(batch())
+        sub.poll(0.05)
+    return sub.sources[0].last_seq is not None
+
+
+def _caught_up(sub: Subscriber, last: int) -> bool:
+    sub.poll(0.05)
+    seq = sub.sources[0].last_seq
+    return seq is not None and seq >= last
+
+
+def test_a_large_snapshot_is_served_while_live_traffic_flows(snap_pub):
+    p, ep, snap = snap_pub()
+    batches = [
+        batch(store(list(range(c * 1000 + 1, c * 1000 + 101)), None), ts=float(c))
+        for c in range(300)
+    ]  # 30,000 blocks held
+    for b in batches:
+        p.publish(b)
+    assert p.flush(20.0)
+    stop = threading.Event()
+    live: list[Any] = []
+
+    def engine() -> None:  # keeps publishing while the snapshot is built and sent
+        i = 0
+        while not stop.is_set() and i < 5000:
+            b = offload(400_000 + i)
+            live.append(b)
+            p.publish(b)
+            i += 1
+            stop.wait(0.0005)
+
+    with Subscriber(ep, mode="refcount", snapshot_endpoints=snap) as sub:
+        t = threading.Thread(target=engine)
+        t.start()
+        try:
+            wait_for(lambda: sub.poll(0.05) >= 0 and sub.sources[0].snapshots == 1, 30.0)
+        finally:
+            stop.set()
+            t.join()
+        assert p.flush(20.0)
+        last = p.stats().messages_sent - 1
+        wait_for(lambda: _caught_up(sub, last), 30.0, "the subscriber to catch up")
+        src = sub.sources[0]
+        assert src.resets == 0 and src.snapshots == 1
+        assert src.index.state() == truth(batches + live)
+        assert len(src.index.state()) > 30_000
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch_lists(), st.data())
+def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
+    """Losses at random points (refused over budget, lost at encode): the subscriber
+    heals with snapshots and ends with the refcount state of everything published."""
+    ep, snap = inproc("pub"), inproc("snap")
+    published: list[Any] = []
+    with (
+        CoalescingPublisher(
+            endpoint=ep,
+            snapshot_endpoint=snap,
+            max_queue_size=2,
+            high_watermark=1,
+            stall_timeout=0,
+        ) as p,
+        Subscriber(ep, mode="refcount", snapshot_endpoints=snap) as sub,
+    ):
+        wait_for(lambda: _heard(p, sub), what="the subscriber to hear the publisher")
+        for b in batches:
+            how = data.draw(st.sampled_from(("send", "send", "refuse", "bad")))
+            if how == "refuse":
+                with held(p):
+                    for extra in (batch(), batch()):
+                        p.publish(extra)
+                    p.publish(b)  # refused: the hand-off is full
+            elif how == "bad":
+                p.publish(batch(store([999], None, tokens=[object()])))  # lost at encode
+                p.publish(batch(BlockRemoved([999], "GPU")))
+                published.extend([batch(store([999], None)), batch(BlockRemoved([999], "GPU"))])
+                p.publish(b)
+            else:
+                p.publish(b)
+            published.append(b)
+        assert p.flush(10.0)  # a loss shows at the next accepted batch: make sure there is one
+        assert p.publish(batch(store([12345], None))) is PublishOutcome.QUEUED
+        published.append(batch(store([12345], None)))
+        assert p.flush(10.0)
+        s = p.stats()
+        last = s.messages_sent + s.seq_gaps - 1
+        wait_for(lambda: _caught_up(sub, last), what="the subscriber to reach the last seq")
+        src = sub.sources[0]
+        if s.snapshot_exact:
+            assert src.resets == 0
+            assert src.index.state() == truth(published)
