@@ -52,6 +52,7 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_drain.py
 	$(BIN)/python benchmarks/bench_compact.py
+	$(BIN)/python benchmarks/bench_recorder.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so
