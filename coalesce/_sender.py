@@ -275,7 +275,7 @@ class Sender:
                 and not self.closed
                 and time.monotonic() - self._last_sent >= HEARTBEAT
             ):
-                self._send_heartbeat()
+                self._send_empty()
                 continue
             self.idle = True
             if len(backlog) or self.closed:
@@ -394,7 +394,8 @@ class Sender:
             self.totals.seq_gaps += 1
         return self._seq - 1
 
-    def _send_heartbeat(self) -> None:
+    def _send_empty(self) -> None:
+        """Send one empty batch: a heartbeat, or the message that shows a final loss."""
         from coalesce.events import KVEventBatch
 
         empty = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
@@ -498,10 +499,7 @@ class Sender:
     def _finish_loss(self) -> None:
         """A loss with no message after it is invisible: send one empty batch after the gap."""
         if self._skip_pending:
-            from coalesce.events import KVEventBatch
-
-            empty = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
-            self._emit(self._encoder.encode(empty), 0)
+            self._send_empty()
 
     def _die(self, exc: BaseException) -> None:
         """The loop failed: refuse all later batches, count what waits, show a gap."""
