@@ -10,8 +10,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 .PHONY: demo test test-vllm lint bench check-c clean
 
-# setup.py builds the optional C accelerator in place; a C change reinstalls.
-$(STAMP): pyproject.toml setup.py coalesce/_ccompact.c
+# setup.py builds the optional C accelerators in place; a C change reinstalls.
+$(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,plot]'
@@ -23,7 +23,7 @@ demo: $(STAMP)            ## the main job: a burst through the publisher, with s
 test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis)
 	$(BIN)/python -m pytest -q
 
-$(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c requirements/vllm-conformance.txt
+$(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c requirements/vllm-conformance.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q -r requirements/vllm-conformance.txt
@@ -39,11 +39,12 @@ lint: $(STAMP)            ## ruff + mypy --strict
 	$(BIN)/mypy
 
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
-check-c: $(STAMP)         ## the C accelerator under ASan and UBSan (compaction and fuzz suites)
+check-c: $(STAMP)         ## the C accelerators under ASan and UBSan (compaction, recorder, fuzz suites)
 	CFLAGS="-g $(SAN)" LDFLAGS="$(SAN)" $(BIN)/python -m pip install -q --no-deps -e .
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	$(BIN)/python -m pytest -q tests/test_accel.py tests/test_fuzz.py tests/test_compactor.py; \
+	$(BIN)/python -m pytest -q tests/test_accel.py tests/test_fuzz.py tests/test_compactor.py \
+		tests/test_recorder.py tests/test_crecord.py tests/test_snapshot.py; \
 	status=$$?; $(BIN)/python -m pip install -q --no-deps -e .; exit $$status
 
 bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmarks.md

@@ -1,7 +1,8 @@
-"""Build hook for the optional C accelerator; all metadata lives in pyproject.toml.
+"""Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
-``optional=True``: if the extension fails to build (no compiler, no Python
-headers), installation goes on and coalesce runs its pure-Python compactor.
+``optional=True``: if an extension fails to build (no compiler, no Python
+headers), installation goes on and coalesce runs its pure-Python
+compactor or recorder.
 """
 
 from setuptools import Extension, setup
@@ -9,10 +10,11 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "coalesce._ccompact",
-            ["coalesce/_ccompact.c"],
+            f"coalesce.{name}",
+            [f"coalesce/{name}.c"],
             optional=True,
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
+        for name in ("_ccompact", "_crecord")
     ]
 )

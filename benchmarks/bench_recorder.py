@@ -7,15 +7,18 @@ are when it sends 1:1.  Paths, timed in alternation, medians of rounds:
 
 - ``raw``: each batch encoded on its own (vLLM's sender);
 - ``raw+id``: the same with the ``publisher_id`` as a 4th element;
-- ``record``: ``Recorder.record`` of each batch (a fresh recorder per pass,
-  so stores are new keys as in a live stream);
-- ``record compacted``: the same for the C rules' output of each window (what
-  the sender records under pressure).
+- ``record C`` / ``record Python``: the C recorder (coalesce/_crecord.c, the
+  one the publisher uses when it is built) and the pure-Python one, recording
+  each batch (a fresh recorder per pass, so stores are new keys as in a live
+  stream);
+- ``record C compacted``: the C recorder fed the C rules' output of each
+  window (what the sender records under pressure).
 
-Then the snapshot itself: building and encoding the chunks of the state the
-seed workload leaves, per block.
+Then the snapshot itself, per recorder: building and encoding the chunks of
+the state the seed workload leaves, per block, and the longest chunk (one
+sender step); and a snapshot of ``--blocks`` (1M) held blocks, end to end.
 
-    .venv/bin/python benchmarks/bench_recorder.py [--seconds 0.4] [--rounds 7]
+    .venv/bin/python benchmarks/bench_recorder.py [--seconds 0.4] [--rounds 7] [--blocks N]
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_compact import seed_batches, workloads
 
 from coalesce import compactor
-from coalesce._recorder import Recorder
+from coalesce._recorder import AnyRecorder, new_recorder
+from coalesce.events import BlockStored, KVEventBatch
 from coalesce._wire import Encoder
 
 Window = list[Any]
@@ -54,23 +58,21 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
     def raw_id() -> Any:
         return [enc_id.encode(b) for b in batches]
 
-    def record() -> Any:
-        rec = Recorder(10_000_000)
-        for b in batches:
-            rec.record(b)
-        return rec
+    def recorder(accelerated: bool, stream: list[Any]) -> Callable[[], Any]:
+        def record() -> Any:
+            rec = new_recorder(10_000_000, accelerated=accelerated)
+            for b in stream:
+                rec.record(b)
+            return rec
 
-    def record_compacted() -> Any:
-        rec = Recorder(10_000_000)
-        for b in compacted:
-            rec.record(b)
-        return rec
+        return record
 
     return {
         "raw": raw,
         "raw+id": raw_id,
-        "record": record,
-        "record compacted": record_compacted,
+        "record C": recorder(True, batches),
+        "record C compacted": recorder(True, compacted),
+        "record Python": recorder(False, batches),
     }
 
 
@@ -87,7 +89,7 @@ def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, flo
     for r in range(rounds):
         order = list(paths) if r % 2 == 0 else list(reversed(paths))
         for name in order:
-            n = max(1, reps // 10) if name.startswith("record") else reps
+            n = max(1, reps // 10) if name == "record Python" else reps
             t0 = time.perf_counter()
             for _ in range(n):
                 paths[name]()
@@ -95,19 +97,38 @@ def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, flo
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def snapshot_cost(rounds: int) -> tuple[int, float]:
-    """(blocks held, seconds per block to build and encode the snapshot's chunks)."""
-    rec = Recorder(10_000_000)
-    for b in seed_batches(True, 1500):
-        rec.record(b)
+def snapshot_cost(rec: AnyRecorder, rounds: int) -> tuple[float, float]:
+    """(seconds per block, longest chunk in seconds) to build and encode the snapshot."""
     enc = Encoder()
-    samples = []
+    per_block, longest = [], 0.0
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = last = time.perf_counter()
         for chunk in rec.chunks():
             enc.encode_raw((0.0, chunk, 0, b"\x01" * 16))
-        samples.append(time.perf_counter() - t0)
-    return rec.held, statistics.median(samples) / max(rec.held, 1)
+            now = time.perf_counter()
+            longest = max(longest, now - last)
+            last = now
+        per_block.append((last - t0) / max(rec.held, 1))
+    return statistics.median(per_block), longest
+
+
+def big_state(blocks: int, accelerated: bool) -> AnyRecorder:
+    """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size)."""
+    rec = new_recorder(blocks + 1, accelerated=accelerated)
+    for start in range(0, blocks, 64):
+        hashes = [(2**40 + h) * 2654435761 % 2**64 for h in range(start, min(start + 64, blocks))]
+        ev = BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=list(range(16 * len(hashes))),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        rec.record(KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0))
+    assert rec.valid and rec.held == blocks
+    return rec
 
 
 def main() -> None:
@@ -115,27 +136,50 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512, help="events per window")
     ap.add_argument("--seconds", type=float, default=0.4, help="per path per round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--blocks", type=int, default=1_000_000, help="held blocks of the big snapshot")
     args = ap.parse_args()
     print(
         f"# bench_recorder: {platform.python_version()}, msgspec {msgspec.__version__}, "
         f"{args.rounds} rounds x {args.seconds} s, medians\n"
     )
-    print("| workload | raw encode ns/event | raw+id | record | record compacted |")
-    print("|---|---|---|---|---|")
+    print(
+        "| workload | raw encode ns/event | raw+id | record C | record C compacted "
+        "| record Python |"
+    )
+    print("|---|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
         per = measure(windows, args.seconds, args.rounds)
         raw = per["raw"]
         print(
             f"| {name} | {raw * 1e9:.0f} | {per['raw+id'] / raw:.2f}x | "
-            f"{per['record'] / raw:.1f}x | {per['record compacted'] / raw:.1f}x |",
+            f"{per['record C'] / raw:.2f}x | {per['record C compacted'] / raw:.2f}x | "
+            f"{per['record Python'] / raw:.1f}x |",
             flush=True,
         )
-    held, per_block = snapshot_cost(args.rounds)
-    print(
-        f"\nsnapshot of the seed workload's state: {held:,} blocks, "
-        f"{per_block * 1e9:.0f} ns per block to build and encode"
-    )
+    print("\n| snapshot | blocks | ns per block (build + encode) | longest chunk ms | total s |")
+    print("|---|---|---|---|---|")
+    seed = seed_batches(True, 1500)
+    for accelerated in (True, False):
+        label = "C" if accelerated else "Python"
+        rec = new_recorder(10_000_000, accelerated=accelerated)
+        for b in seed:
+            rec.record(b)
+        per_block, longest = snapshot_cost(rec, args.rounds)
+        print(
+            f"| seed workload, {label} | {rec.held:,} | {per_block * 1e9:.0f} | "
+            f"{longest * 1e3:.2f} | {per_block * rec.held:.2f} |",
+            flush=True,
+        )
+        big = big_state(args.blocks, accelerated)
+        per_block, longest = snapshot_cost(big, 1 if not accelerated else 3)
+        print(
+            f"| {args.blocks:,} blocks, {label} | {big.held:,} | {per_block * 1e9:.0f} | "
+            f"{longest * 1e3:.2f} | {per_block * big.held:.2f} |",
+            flush=True,
+        )
+        del big
+        gc.collect()
 
 
 if __name__ == "__main__":

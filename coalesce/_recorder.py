@@ -26,12 +26,26 @@ which it is exact again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import os
+from collections.abc import Generator, Iterator
+from types import ModuleType
+from typing import Any, TypeAlias
 
 from coalesce.events import BlockRemoved, BlockStored
 
-__all__ = ["Recorder"]
+__all__ = ["AnyRecorder", "Recorder", "new_recorder"]
+
+_accel: ModuleType | None
+"""The optional C state (coalesce/_crecord.c), or None: not built, or disabled
+by setting ``COALESCE_NO_ACCEL=1``."""
+try:
+    if os.environ.get("COALESCE_NO_ACCEL"):
+        raise ImportError("disabled by COALESCE_NO_ACCEL")
+    from coalesce import _crecord
+
+    _accel = _crecord
+except ImportError:
+    _accel = None
 
 CHUNK_BLOCKS = 256
 """Blocks per snapshot chunk (one ``KVEventBatch``): bounds the work of one step."""
@@ -191,7 +205,7 @@ class Recorder:
         for h, node in self._info.items():
             assert node[0] == refs.get(h, 0) >= 1, "refs = held keys + counted children"
 
-    def chunks(self) -> Iterator[list[Any]]:
+    def chunks(self) -> Generator[list[Any], None, None]:
         """The state as events, a chunk (one batch's events) per ``next()``.
 
         Every held key is stored ``count`` times, parents first within its
@@ -199,15 +213,20 @@ class Recorder:
         first child and removed again at the end, so a parent-checking
         subscriber accepts every store.  Consecutive blocks of one source
         event are merged back into one chained store.  The state must not
-        change until the iterator is exhausted (the caller defers
+        change until the iterator is exhausted or closed (the caller defers
         :meth:`record` meanwhile).  Each ``next()`` is O(CHUNK_BLOCKS) blocks.
         """
+        for items in self._walk():
+            yield _events(items)
+
+    def _walk(self) -> Iterator[list[Any]]:
+        """The chunks as items (see :func:`_events`), in the C walk's format."""
         live, info = self._live, self._info
         done: set[tuple[Any, Any, Any]] = set()
         ghosts: dict[tuple[Any, Any], list[Any]] = {}
         out: list[Any] = []
         blocks = tokens = 0
-        run: list[Any] | None = None  # [medium, group, source event, last index, event]
+        run: list[Any] | None = None  # [medium, group, source event, last index, hashes]
         for key in live:
             if key in done:
                 continue
@@ -232,41 +251,33 @@ class Recorder:
                     count, src, i = 1, node[2], node[3]
                 else:
                     count, src, i = held
-                for _ in range(count):
-                    if (
-                        count == 1
-                        and run is not None
-                        and run[2] is src
-                        and run[3] == i - 1
-                        and run[0] == medium
-                        and run[1] == group
-                        and run[4].block_hashes[-1] == node[1]
-                    ):
-                        ev = run[4]
-                        ev.block_hashes.append(x)
-                        ev.token_ids.extend(_tokens(src, i))
-                        if ev.extra_keys is not None:
-                            ev.extra_keys.append(_extra(src, i))
-                        run[3] = i
-                    else:
-                        ev = _stored(x, node[1], medium, group, src, i)
-                        out.append(ev)
-                        run = [medium, group, src, i, ev] if count == 1 else None
-                    blocks += 1
-                    tokens += len(ev.token_ids)
+                if (
+                    count == 1
+                    and run is not None
+                    and run[2] is src
+                    and run[3] == i - 1
+                    and run[0] == medium
+                    and run[1] == group
+                    and run[4][-1] == node[1]
+                ):
+                    run[4].append(x)
+                    run[3] = i
+                else:
+                    hashes = [x]
+                    out.append((src, i, hashes, node[1], medium, group, count))
+                    run = [medium, group, src, i, hashes] if count == 1 else None
+                blocks += count
+                tokens += count * len(_tokens(src, i))
                 if blocks >= CHUNK_BLOCKS or tokens >= CHUNK_TOKENS:
                     yield out
                     out, blocks, tokens, run = [], 0, 0, None
         for (medium, group), hashes in ghosts.items():
-            for start in range(0, len(hashes), CHUNK_BLOCKS):
-                out.append(
-                    BlockRemoved(
-                        block_hashes=hashes[start : start + CHUNK_BLOCKS],
-                        medium=medium,
-                        group_idx=group,
-                    )
-                )
-                blocks += min(CHUNK_BLOCKS, len(hashes) - start)
+            start = 0
+            while start < len(hashes):
+                part = hashes[start : start + CHUNK_BLOCKS - blocks]
+                start += len(part)
+                out.append((medium, group, part))
+                blocks += len(part)
                 if blocks >= CHUNK_BLOCKS:
                     yield out
                     out, blocks = [], 0
@@ -274,34 +285,57 @@ class Recorder:
             yield out
 
 
-def _tokens(src: Any, i: int) -> list[Any]:
+def _events(items: list[Any]) -> list[Any]:
+    """A chunk's events from its walk items.
+
+    A store item ``(source, first index, hashes, parent, medium, group,
+    count)`` is one chained store rebuilt from those blocks of its source
+    event, ``count`` times; a removal item ``(medium, group, hashes)`` is a
+    ``BlockRemoved``.  O(blocks and tokens of the chunk).
+    """
+    out: list[Any] = []
+    for item in items:
+        if len(item) == 3:
+            medium, group, hashes = item
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
+            continue
+        src, i, hashes, parent, medium, group, count = item
+        ev = _stored(hashes, parent, medium, group, src, i)
+        out.extend([ev] * count)
+    return out
+
+
+def _tokens(src: Any, i: int, n: int = 1) -> list[Any]:
+    """The tokens of blocks ``i .. i+n`` of ``src`` (what a store rebuilt from them sends)."""
     toks = src.token_ids
     size = src.block_size
     if not toks or not isinstance(size, int) or size <= 0:
         return []
-    part = toks[i * size : (i + 1) * size]
+    part = toks[i * size : (i + n) * size]
     return part if type(part) is list else list(part)
 
 
-def _extra(src: Any, i: int) -> Any:
+def _extra(src: Any, i: int, n: int) -> list[Any] | None:
     keys = getattr(src, "extra_keys", None)
-    if keys is None or i >= len(keys):
+    if keys is None:
         return None
-    return keys[i]
+    return [keys[j] if j < len(keys) else None for j in range(i, i + n)]
 
 
-def _stored(h: Any, parent: Any, medium: Any, group: Any, src: Any, i: int) -> BlockStored:
-    """A one-block store of ``h`` rebuilt from block ``i`` of the event that stored it."""
-    keys = getattr(src, "extra_keys", None)
+def _stored(
+    hashes: list[Any], parent: Any, medium: Any, group: Any, src: Any, i: int
+) -> BlockStored:
+    """A store of ``hashes`` rebuilt from blocks ``i ..`` of the event that stored them."""
+    n = len(hashes)
     return BlockStored(
-        block_hashes=[h],
+        block_hashes=hashes,
         parent_block_hash=parent,
-        token_ids=_tokens(src, i),
+        token_ids=_tokens(src, i, n),
         block_size=src.block_size,
         lora_id=src.lora_id,
         medium=medium,
         lora_name=src.lora_name,
-        extra_keys=None if keys is None else [_extra(src, i)],
+        extra_keys=_extra(src, i, n),
         group_idx=group,
         kv_cache_spec_kind=getattr(src, "kv_cache_spec_kind", None),
         kv_cache_spec_sliding_window=getattr(src, "kv_cache_spec_sliding_window", None),
@@ -309,3 +343,124 @@ def _stored(h: Any, parent: Any, medium: Any, group: Any, src: Any, i: int) -> B
         ownership=getattr(src, "ownership", None),
         session_id=getattr(src, "session_id", None),
     )
+
+
+# -- the C state ---------------------------------------------------------------
+
+_KINDS = {"BlockStored": 1, "BlockRemoved": 2, "AllBlocksCleared": 3, "BlockMoved": 4}
+"""The C state's kinds, by tag (0: any other tag, ignored as the models do)."""
+
+
+class _CRecorder:
+    """:class:`Recorder`'s interface over the C state (``coalesce._crecord.State``).
+
+    The same state and the same rebuilt stream (tests/test_recorder.py runs
+    both); a value outside the C domain (see the C source's header) makes it
+    unavailable where the Python recorder might have coped, never wrong.
+    :meth:`record` is O(blocks) in C; :meth:`chunks` builds Python objects for
+    the stores only, one per chained run.
+    """
+
+    def __init__(self, max_blocks: int, accel: ModuleType) -> None:
+        self.max_blocks = max_blocks
+        self._state: Any = accel.State()
+        self._register: Any = accel.register
+        self._reason = ""
+        self.invalidations = 0
+        self.batches = 0
+        self.events = 0
+
+    @property
+    def valid(self) -> bool:
+        """False while the recorder is unavailable.  O(1)."""
+        return bool(self._state.valid)
+
+    @property
+    def reason(self) -> str:
+        """Why it is unavailable (empty while valid).  O(1)."""
+        return "" if self._state.valid else self._reason
+
+    @property
+    def held(self) -> int:
+        """Keys held right now.  O(1)."""
+        return int(self._state.held)
+
+    @property
+    def retained(self) -> int:
+        """Hashes kept (held somewhere, or the ancestor of a held one).  O(1)."""
+        return int(self._state.retained)
+
+    def record(self, batch: Any) -> None:
+        """:meth:`Recorder.record`.  O(blocks); never raises."""
+        self.batches += 1
+        try:
+            events = batch.events
+            self.events += len(events)
+            if type(events) is not list:
+                events = list(events)
+            registered: set[type] = set()
+            while True:
+                r = self._state.record(events, self.max_blocks)
+                if type(r) is int:
+                    break
+                if r in registered:
+                    raise TypeError("too many event classes for the C recorder")
+                registered.add(r)
+                config = getattr(r, "__struct_config__", None)
+                tag = None if config is None else config.tag
+                kind = _KINDS.get(tag, 0) if isinstance(tag, str) else 0
+                self._register(r, kind, tuple(getattr(r, "__struct_fields__", ())))
+        except Exception as exc:  # a caller's mistake or a class it cannot read
+            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+            return
+        if r:
+            self.invalidations += 1
+            self._reason = (
+                f"more than snapshot_max_blocks={self.max_blocks} blocks held"
+                if r == 2
+                else "an event it cannot interpret (a value outside the C recorder's domain)"
+            )
+
+    def invalidate(self, reason: str) -> None:
+        """Forget everything: unavailable until the next ``AllBlocksCleared``.  O(held)."""
+        if self._state.valid:
+            self.invalidations += 1
+        self._reason = reason
+        self._state.invalidate()
+
+    def state(self) -> dict[tuple[Any, Any, Any], int]:
+        """The held keys and their counts (the ``refcount`` model's state).  O(keys)."""
+        return dict(self._state.state())
+
+    def check(self) -> None:
+        """Assert the invariants (tests call it after each batch).  O(keys + hashes)."""
+        self._state.check()
+
+    def chunks(self) -> Generator[list[Any], None, None]:
+        """:meth:`Recorder.chunks`; the walk ends when it is exhausted or closed."""
+        st = self._state
+        st.walk_start()
+        try:
+            while True:
+                items = st.walk_next(CHUNK_BLOCKS, CHUNK_TOKENS)
+                if items is None:
+                    return
+                yield _events(items)
+        finally:
+            st.walk_end()
+
+
+AnyRecorder: TypeAlias = "Recorder | _CRecorder"
+
+
+def new_recorder(max_blocks: int, *, accelerated: bool | None = None) -> AnyRecorder:
+    """The C recorder when it is built (and not disabled), else the Python one.
+
+    ``accelerated=True`` requires the C one (ImportError without it);
+    ``False`` forces the Python one.
+    """
+    if accelerated is False or (accelerated is None and _accel is None):
+        return Recorder(max_blocks)
+    if _accel is None:
+        raise ImportError("coalesce._crecord is not built")
+    return _CRecorder(max_blocks, _accel)

@@ -5,7 +5,7 @@ is kept and echoed).  Reply: one multipart message ``[seq, publisher_id,
 chunk...]`` where ``seq`` is 8 signed big-endian bytes naming the last
 message the snapshot covers (-1: nothing sent yet; -2: unavailable) and each
 chunk is one encoded batch ``[ts, events, data_parallel_rank, publisher_id]``
-of rebuilt stores (:class:`coalesce._recorder.Recorder`).
+of rebuilt stores (:func:`coalesce._recorder.new_recorder`: C when built).
 
 The sender thread owns it and calls :meth:`SnapshotService.step` from its
 loop.  A reply is built a chunk per step (bounded work), while live sending
@@ -21,12 +21,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any, ClassVar, cast
 
 import zmq
 
-from coalesce._recorder import Recorder
+from coalesce._recorder import AnyRecorder
 from coalesce._wire import Encoder
 
 __all__ = ["SnapshotService", "UNAVAILABLE", "NOTHING_SENT"]
@@ -46,7 +46,9 @@ class _Round:
 
     __slots__ = ("chunks", "clients", "frames", "seq", "size")
 
-    def __init__(self, seq: int, clients: list[list[bytes]], chunks: Iterator[list[Any]]) -> None:
+    def __init__(
+        self, seq: int, clients: list[list[bytes]], chunks: Generator[list[Any], None, None]
+    ) -> None:
         self.seq = seq
         self.clients = clients
         self.chunks = chunks
@@ -60,7 +62,7 @@ class SnapshotService:
     def __init__(
         self,
         sock: zmq.Socket[bytes],
-        recorder: Recorder,
+        recorder: AnyRecorder,
         encoder: Encoder,
         publisher_id: bytes,
         rank: int,
@@ -225,6 +227,7 @@ class SnapshotService:
         """Send the round's reply (or ``-2``), then let the recorder catch up."""
         rnd, self._round = self._round, None
         assert rnd is not None
+        rnd.chunks.close()  # ends the recorder's walk: it may record again
         if seq == UNAVAILABLE:
             log.warning("kv-coalesce: a snapshot reply was abandoned: %s", why)
             self._reply(rnd.clients, UNAVAILABLE, [])
@@ -236,7 +239,9 @@ class SnapshotService:
 
     def close(self) -> None:
         """Close the ROUTER (the sender thread calls it when it stops)."""
-        self._round = None
+        if self._round is not None:
+            self._round.chunks.close()
+            self._round = None
         self._deferred.clear()
         self._sock.close(linger=0)
 

@@ -33,7 +33,7 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog
-from coalesce._recorder import Recorder
+from coalesce._recorder import new_recorder
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
@@ -215,7 +215,7 @@ class CoalescingPublisher:
             assert self.publisher_id is not None
             snapshot = SnapshotService(
                 snap_sock,
-                Recorder(self.settings.snapshot_max_blocks),
+                new_recorder(self.settings.snapshot_max_blocks),
                 Encoder(self.publisher_id),
                 self.publisher_id,
                 data_parallel_rank,

@@ -1,4 +1,9 @@
-"""The snapshot recorder alone: its state and its rebuilt stream against the reference models."""
+"""The snapshot recorder alone: its state and its rebuilt stream against the reference models.
+
+Every test runs against both recorders: the pure-Python one (the oracle) and
+the C one (coalesce/_crecord.c), when it is built; tests/test_crecord.py
+checks the two against each other on wider streams.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coalesce import compact
-from coalesce._recorder import CHUNK_BLOCKS, Recorder
+from coalesce import _recorder, compact
+from coalesce._recorder import CHUNK_BLOCKS, AnyRecorder, new_recorder
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from coalesce.refmodel import SubscriberModel
 from tests.streams import (
@@ -25,8 +30,23 @@ from tests.streams import (
     parent_of,
 )
 
+IMPLS = ["py", "c"] if _recorder._accel is not None else ["py"]
+_current = {"accelerated": False}
 
-def _snapshot_events(rec: Recorder) -> list[Any]:
+
+@pytest.fixture(params=IMPLS, autouse=True)
+def impl(request: Any) -> Any:
+    """Run the test with each recorder (``_record`` and ``_new`` use it)."""
+    _current["accelerated"] = request.param == "c"
+    yield request.param
+    _current["accelerated"] = False
+
+
+def _new(max_blocks: int = 10_000) -> AnyRecorder:
+    return new_recorder(max_blocks, accelerated=_current["accelerated"])
+
+
+def _snapshot_events(rec: AnyRecorder) -> list[Any]:
     return [ev for chunk in rec.chunks() for ev in chunk]
 
 
@@ -36,8 +56,8 @@ def _apply(model: SubscriberModel, events: list[Any]) -> SubscriberModel:
     return model
 
 
-def _record(batches: list[Any], max_blocks: int = 10_000) -> Recorder:
-    rec = Recorder(max_blocks)
+def _record(batches: list[Any], max_blocks: int = 10_000) -> AnyRecorder:
+    rec = _new(max_blocks)
     for b in batches:
         rec.record(b)
         rec.check()
@@ -245,3 +265,24 @@ def test_a_parent_cycle_from_a_caller_terminates():
     rec = _record([_batch(_store([1], 2)), _batch(_store([2], 1)), _batch(_store([3], 3))])
     snap = _snapshot_events(rec)
     assert sorted(h for e in snap for h in e.block_hashes) == [1, 2, 3]
+
+
+def test_more_medium_and_group_pairs_than_the_c_tables_hold(impl):
+    rec = _new()
+    rec.record(_batch(*[_store([1], None, medium=f"M{i}") for i in range(70)]))
+    rec.check()
+    if impl == "c":
+        assert not rec.valid and "cannot interpret" in rec.reason
+    else:
+        assert rec.valid and rec.held == 70
+
+
+def test_a_walk_closed_early_leaves_it_recording(impl):
+    rec = _record([_batch(_store(range(1, 3 * CHUNK_BLOCKS), None))])
+    chunks = rec.chunks()
+    assert next(chunks)
+    chunks.close()  # the snapshot service does this when it abandons a reply
+    rec.record(_batch(BlockRemoved(block_hashes=[1], medium="GPU")))
+    rec.check()
+    assert rec.valid and rec.held == 3 * CHUNK_BLOCKS - 2
+    assert len(_snapshot_events(rec)) >= 1

@@ -1,0 +1,1136 @@
+/* The snapshot recorder's state in C: an optional accelerator.
+ *
+ * coalesce._recorder.Recorder (pure Python) is the specification and the
+ * oracle; tests/test_recorder.py runs every property against both, and checks
+ * the two against each other.  This file keeps the same state (a reference
+ * count per key (medium, group_idx, block hash); per hash its parent, the
+ * count of held keys and retained children, and the event and index that last
+ * stored it) in native tables, and walks it in the same order rules to rebuild
+ * it as chained stores a chunk at a time.
+ *
+ * How it is fast: the events' fields are read at their slot offsets (found
+ * once per class from its member descriptors); hashes live in two
+ * open-address tables (hash -> node, (node, medium and group) -> key) with
+ * stable slab indices, so a block costs one or two probes and no Python
+ * object.  The only references it holds are to the source events (for their
+ * tokens and fields) and to bytes hashes.
+ *
+ * Domain (anything else makes record() return 1, "cannot interpret": the
+ * caller forgets the state, as the Python recorder does on a value it cannot
+ * handle): block hashes and parents that are exact ints in [0, 2**64) or
+ * exact bytes; block_hashes a list; medium str or None; group_idx int or
+ * None; at most 64 distinct (medium, group) pairs at a time (the pairs are
+ * forgotten when the state is).
+ *
+ * Cost: record() is O(blocks) with the GIL held (a table doubling is O(held)
+ * once in a while); memory about 150 bytes per held key and retained hash.
+ * walk_next() is O(CHUNK_BLOCKS) blocks per call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { K_IGNORE = 0, K_STORED = 1, K_REMOVED = 2, K_CLEARED = 3, K_MOVED = 4, K_BAD = 5 };
+enum { REC_OK = 0, REC_UNREADABLE = 1, REC_TOO_MANY = 2 };
+
+#define MAX_TYPES 64
+#define MAX_MG 64
+#define FIELD(ev, off) (*(PyObject **)((char *)(ev) + (off)))
+
+typedef struct {
+    PyTypeObject *type; /* strong reference, kept for the process's life */
+    int kind;
+    Py_ssize_t off_hashes, off_parent, off_medium, off_from, off_group, off_tokens, off_bs;
+} TypeInfo;
+
+static TypeInfo g_types[MAX_TYPES];
+static int g_ntypes = 0;
+
+static TypeInfo *find_type(PyTypeObject *tp) {
+    for (int i = 0; i < g_ntypes; i++)
+        if (g_types[i].type == tp) return &g_types[i];
+    return NULL;
+}
+
+/* ---- hash values ------------------------------------------------------------ */
+
+enum { V_NONE = 0, V_INT = 1, V_BYTES = 2 };
+
+typedef struct {
+    uint64_t v;  /* the int's value, or the bytes' hash */
+    PyObject *b; /* the bytes (a reference the holder owns), or NULL */
+    uint8_t kind;
+} HVal;
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* An exact int in [0, 2**64) as a uint64; 0 if it is not one. */
+static inline int long_u64(PyObject *h, uint64_t *out) {
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+    Py_ssize_t size = Py_SIZE(h);
+    const digit *d = ((PyLongObject *)h)->ob_digit;
+    switch (size) {
+    case 0:
+        *out = 0;
+        return 1;
+    case 1:
+        *out = (uint64_t)d[0];
+        return 1;
+    case 2:
+        *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30);
+        return 1;
+    case 3:
+        if (d[2] >> 4) return 0;
+        *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((uint64_t)d[2] << 60);
+        return 1;
+    default:
+        return 0;
+    }
+#else
+    if (_PyLong_Sign(h) < 0) return 0;
+    unsigned long long x = PyLong_AsUnsignedLongLong(h);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (uint64_t)x;
+    return 1;
+#endif
+}
+
+/* Read `o` as a hash value (None allowed when `none_ok`).  The bytes are borrowed. */
+static inline int read_hval(PyObject *o, HVal *out, int none_ok) {
+    if (PyLong_CheckExact(o)) {
+        out->kind = V_INT;
+        out->b = NULL;
+        return long_u64(o, &out->v);
+    }
+    if (PyBytes_CheckExact(o)) {
+        Py_hash_t hh = PyObject_Hash(o); /* cached in the object after the first time */
+        if (hh == -1) {
+            PyErr_Clear();
+            return 0;
+        }
+        out->kind = V_BYTES;
+        out->v = (uint64_t)hh;
+        out->b = o;
+        return 1;
+    }
+    if (none_ok && o == Py_None) {
+        out->kind = V_NONE;
+        out->v = 0;
+        out->b = NULL;
+        return 1;
+    }
+    return 0;
+}
+
+static inline int hval_eq(const HVal *a, const HVal *b) {
+    if (a->kind != b->kind || a->v != b->v) return 0;
+    if (a->kind != V_BYTES || a->b == b->b) return 1;
+    Py_ssize_t n = PyBytes_GET_SIZE(a->b);
+    return n == PyBytes_GET_SIZE(b->b) &&
+           memcmp(PyBytes_AS_STRING(a->b), PyBytes_AS_STRING(b->b), (size_t)n) == 0;
+}
+
+static inline uint64_t hval_hash(const HVal *h) { return mix64(h->v ^ ((uint64_t)h->kind << 62)); }
+
+static PyObject *hval_object(const HVal *h) {
+    if (h->kind == V_INT) return PyLong_FromUnsignedLongLong(h->v);
+    PyObject *o = h->kind == V_BYTES ? h->b : Py_None;
+    Py_INCREF(o);
+    return o;
+}
+
+/* ---- the state ---------------------------------------------------------------- */
+
+typedef struct {
+    HVal h;          /* the hash (h.b owned) */
+    HVal parent;     /* the parent it was stored with (parent.b owned) */
+    int32_t refs;    /* held keys with this hash + counted children; free slot: -1 */
+    int32_t pnode;   /* the counted parent's node, or -1 */
+    PyObject *src;   /* the event that last stored the hash (owned) */
+    Py_ssize_t idx;  /* the block's position in it */
+    uint32_t seen;   /* walk: the path that visited it */
+    uint32_t done_gen;
+    uint64_t done;   /* walk: (medium, group) pairs already emitted, when done_gen matches */
+    int32_t next_free;
+} Node;
+
+typedef struct {
+    int32_t node;   /* -1: a free slot */
+    int32_t mg;
+    int64_t count;
+    PyObject *src;  /* the event that last stored the key (owned) */
+    Py_ssize_t idx;
+    int32_t next_free;
+} Key;
+
+typedef struct {
+    uint64_t h;
+    int32_t i; /* slab index, -1 empty */
+} Slot;
+
+typedef struct {
+    Slot *s;
+    size_t mask, used;
+} Table;
+
+typedef struct {
+    int32_t mg;
+    int32_t node;
+} Ghost;
+
+typedef struct {
+    PyObject_HEAD
+    Node *nodes;
+    Py_ssize_t nodes_cap, nodes_len, nodes_live;
+    int32_t nodes_free;
+    Key *keys;
+    Py_ssize_t keys_cap, keys_len, keys_live;
+    int32_t keys_free;
+    Table nt, kt;
+    PyObject *mediums[MAX_MG]; /* per (medium, group) pair, owned */
+    PyObject *groups[MAX_MG];
+    int nmg;
+    int valid;
+    int busy;
+    PyObject **trash; /* references to drop once the state is consistent again */
+    Py_ssize_t trash_len, trash_cap;
+    /* the walk (chunks of a snapshot) */
+    int walking;      /* 0: none, 1: keys, 2: ghosts, 3: done */
+    uint32_t walk_gen, path_gen;
+    Py_ssize_t cursor;
+    int32_t *path;
+    Py_ssize_t path_cap, path_len, path_pos;
+    int32_t path_mg;
+    Ghost *ghosts;
+    Py_ssize_t ghosts_len, ghosts_cap, ghost_pos;
+    /* the open chained store of the current chunk (borrowed from the chunk list) */
+    PyObject *run_hashes;
+    PyObject *run_src;
+    Py_ssize_t run_idx;
+    int32_t run_mg, run_node;
+} State;
+
+static int trash(State *st, PyObject *o) {
+    if (o == NULL) return 1;
+    if (st->trash_len == st->trash_cap) {
+        Py_ssize_t cap = st->trash_cap ? st->trash_cap * 2 : 256;
+        PyObject **t = (PyObject **)realloc(st->trash, (size_t)cap * sizeof(PyObject *));
+        if (t == NULL) {
+            Py_DECREF(o); /* the state stays consistent: only an owned reference goes */
+            return 0;
+        }
+        st->trash = t;
+        st->trash_cap = cap;
+    }
+    st->trash[st->trash_len++] = o;
+    return 1;
+}
+
+static void empty_trash(State *st) {
+    while (st->trash_len > 0) {
+        PyObject *o = st->trash[--st->trash_len];
+        Py_DECREF(o);
+    }
+    if (st->trash_cap > 4096) {
+        free(st->trash);
+        st->trash = NULL;
+        st->trash_cap = 0;
+    }
+}
+
+/* Tables: linear probing, load <= 1/2, deletion by backward shift. */
+
+static int table_grow(Table *t) {
+    size_t cap = t->s ? (t->mask + 1) * 2 : 64;
+    Slot *s = (Slot *)malloc(cap * sizeof(Slot));
+    if (s == NULL) return 0;
+    for (size_t i = 0; i < cap; i++) s[i].i = -1;
+    if (t->s != NULL) {
+        for (size_t i = 0; i <= t->mask; i++) {
+            if (t->s[i].i < 0) continue;
+            size_t j = (size_t)t->s[i].h & (cap - 1);
+            while (s[j].i >= 0) j = (j + 1) & (cap - 1);
+            s[j] = t->s[i];
+        }
+        free(t->s);
+    }
+    t->s = s;
+    t->mask = cap - 1;
+    return 1;
+}
+
+static void table_free(Table *t) {
+    free(t->s);
+    t->s = NULL;
+    t->mask = t->used = 0;
+}
+
+static void table_delete(Table *t, size_t i) {
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & t->mask;
+        if (t->s[j].i < 0) break;
+        size_t home = (size_t)t->s[j].h & t->mask;
+        /* move slot j back to i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (i < home && home <= j) : (i < home || home <= j)) continue;
+        t->s[i] = t->s[j];
+        i = j;
+    }
+    t->s[i].i = -1;
+    t->used--;
+}
+
+/* The slot of node `h`, or of the empty slot where it would go (s[].i < 0). */
+static inline size_t node_slot(State *st, const HVal *h, uint64_t hh) {
+    Table *t = &st->nt;
+    size_t i = (size_t)hh & t->mask;
+    for (;;) {
+        Slot *s = &t->s[i];
+        if (s->i < 0) return i;
+        if (s->h == hh && hval_eq(&st->nodes[s->i].h, h)) return i;
+        i = (i + 1) & t->mask;
+    }
+}
+
+static inline int32_t node_find(State *st, const HVal *h) {
+    if (st->nt.s == NULL) return -1;
+    return st->nt.s[node_slot(st, h, hval_hash(h))].i;
+}
+
+static inline uint64_t key_hash(int32_t node, int32_t mg) {
+    return mix64(((uint64_t)(uint32_t)node << 8) ^ (uint64_t)(uint32_t)mg ^ 0x9e3779b97f4a7c15ULL);
+}
+
+static inline size_t key_slot(State *st, int32_t node, int32_t mg, uint64_t hh) {
+    Table *t = &st->kt;
+    size_t i = (size_t)hh & t->mask;
+    for (;;) {
+        Slot *s = &t->s[i];
+        if (s->i < 0) return i;
+        if (s->h == hh && st->keys[s->i].node == node && st->keys[s->i].mg == mg) return i;
+        i = (i + 1) & t->mask;
+    }
+}
+
+static inline int32_t key_find(State *st, int32_t node, int32_t mg) {
+    if (st->kt.s == NULL) return -1;
+    return st->kt.s[key_slot(st, node, mg, key_hash(node, mg))].i;
+}
+
+static int ensure_room(State *st) {
+    if ((st->nt.used + 1) * 2 > st->nt.mask + 1 || st->nt.s == NULL)
+        if (!table_grow(&st->nt)) return 0;
+    if ((st->kt.used + 1) * 2 > st->kt.mask + 1 || st->kt.s == NULL)
+        if (!table_grow(&st->kt)) return 0;
+    if (st->nodes_free < 0 && st->nodes_len == st->nodes_cap) {
+        Py_ssize_t cap = st->nodes_cap ? st->nodes_cap * 2 : 64;
+        if (cap > INT32_MAX) return 0;
+        Node *n = (Node *)realloc(st->nodes, (size_t)cap * sizeof(Node));
+        if (n == NULL) return 0;
+        st->nodes = n;
+        st->nodes_cap = cap;
+    }
+    if (st->keys_free < 0 && st->keys_len == st->keys_cap) {
+        Py_ssize_t cap = st->keys_cap ? st->keys_cap * 2 : 64;
+        if (cap > INT32_MAX) return 0;
+        Key *k = (Key *)realloc(st->keys, (size_t)cap * sizeof(Key));
+        if (k == NULL) return 0;
+        st->keys = k;
+        st->keys_cap = cap;
+    }
+    return 1;
+}
+
+/* Forget everything (the references go to the trash).  O(held + retained). */
+static void forget(State *st) {
+    for (Py_ssize_t i = 0; i < st->nodes_len; i++) {
+        Node *n = &st->nodes[i];
+        if (n->refs < 0) continue;
+        trash(st, n->src);
+        if (n->h.b) trash(st, n->h.b);
+        if (n->parent.b) trash(st, n->parent.b);
+    }
+    for (Py_ssize_t i = 0; i < st->keys_len; i++)
+        if (st->keys[i].node >= 0) trash(st, st->keys[i].src);
+    for (int i = 0; i < st->nmg; i++) {
+        trash(st, st->mediums[i]);
+        trash(st, st->groups[i]);
+    }
+    free(st->nodes);
+    free(st->keys);
+    st->nodes = NULL;
+    st->keys = NULL;
+    st->nodes_cap = st->nodes_len = st->nodes_live = 0;
+    st->keys_cap = st->keys_len = st->keys_live = 0;
+    st->nodes_free = st->keys_free = -1;
+    table_free(&st->nt);
+    table_free(&st->kt);
+    st->nmg = 0;
+}
+
+/* The index of the (medium, group) pair, adding it; -1 if it cannot be read. */
+static int mg_id(State *st, PyObject *medium, PyObject *group) {
+    if (!(medium == Py_None || PyUnicode_CheckExact(medium))) return -1;
+    if (!(group == Py_None || PyLong_CheckExact(group))) return -1;
+    for (int i = 0; i < st->nmg; i++)
+        if (st->mediums[i] == medium && st->groups[i] == group) return i;
+    for (int i = 0; i < st->nmg; i++) {
+        /* str, int and None compare without running Python code */
+        int a = PyObject_RichCompareBool(st->mediums[i], medium, Py_EQ);
+        int b = a > 0 ? PyObject_RichCompareBool(st->groups[i], group, Py_EQ) : 0;
+        if (a < 0 || b < 0) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (a && b) return i;
+    }
+    if (st->nmg == MAX_MG) return -1;
+    Py_INCREF(medium);
+    Py_INCREF(group);
+    st->mediums[st->nmg] = medium;
+    st->groups[st->nmg] = group;
+    return st->nmg++;
+}
+
+static inline void set_src(State *st, PyObject **slot, Py_ssize_t *idx, PyObject *ev,
+                           Py_ssize_t i) {
+    if (*slot != ev) {
+        Py_INCREF(ev);
+        trash(st, *slot);
+        *slot = ev;
+    }
+    *idx = i;
+}
+
+/* Apply a store of `hashes` (chained from `parent`) in pair `mg`.  0 to decline. */
+static int apply_store(State *st, PyObject *ev, PyObject *hashes, PyObject *parent, int mg) {
+    HVal prev;
+    if (!read_hval(parent, &prev, 1)) return 0;
+    int32_t prev_node = -2; /* -2: look the parent up; -1: not retained */
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        HVal h;
+        if (!read_hval(PyList_GET_ITEM(hashes, i), &h, 0)) return 0;
+        if (!ensure_room(st)) return -1;
+        uint64_t hh = hval_hash(&h);
+        size_t ns = node_slot(st, &h, hh);
+        int32_t node = st->nt.s[ns].i;
+        int32_t key = -1;
+        size_t ks = 0;
+        uint64_t kh = 0;
+        if (node >= 0) {
+            kh = key_hash(node, mg);
+            ks = key_slot(st, node, mg, kh);
+            key = st->kt.s[ks].i;
+        }
+        if (key >= 0) {
+            Key *k = &st->keys[key];
+            k->count++;
+            set_src(st, &k->src, &k->idx, ev, i);
+            Node *nd = &st->nodes[node];
+            set_src(st, &nd->src, &nd->idx, ev, i);
+        } else {
+            if (node < 0) {
+                int32_t pn = -1;
+                if (prev.kind != V_NONE && !hval_eq(&prev, &h)) {
+                    pn = prev_node == -2 ? node_find(st, &prev) : prev_node;
+                    if (pn >= 0) st->nodes[pn].refs++;
+                }
+                if (st->nodes_free >= 0) {
+                    node = st->nodes_free;
+                    st->nodes_free = st->nodes[node].next_free;
+                } else {
+                    node = (int32_t)st->nodes_len++;
+                }
+                Node *nd = &st->nodes[node];
+                nd->h = h;
+                Py_XINCREF(h.b);
+                nd->parent = prev;
+                Py_XINCREF(prev.b);
+                nd->refs = 1;
+                nd->pnode = pn;
+                Py_INCREF(ev);
+                nd->src = ev;
+                nd->idx = i;
+                nd->seen = 0;
+                nd->done_gen = 0;
+                nd->done = 0;
+                st->nt.s[ns].h = hh;
+                st->nt.s[ns].i = node;
+                st->nt.used++;
+                st->nodes_live++;
+                kh = key_hash(node, mg);
+                ks = key_slot(st, node, mg, kh);
+            } else {
+                Node *nd = &st->nodes[node];
+                nd->refs++;
+                set_src(st, &nd->src, &nd->idx, ev, i);
+            }
+            if (st->keys_free >= 0) {
+                key = st->keys_free;
+                st->keys_free = st->keys[key].next_free;
+            } else {
+                key = (int32_t)st->keys_len++;
+            }
+            Key *k = &st->keys[key];
+            k->node = node;
+            k->mg = mg;
+            k->count = 1;
+            Py_INCREF(ev);
+            k->src = ev;
+            k->idx = i;
+            st->kt.s[ks].h = kh;
+            st->kt.s[ks].i = key;
+            st->kt.used++;
+            st->keys_live++;
+        }
+        prev = st->nodes[node].h; /* borrowed: the node holds it */
+        prev_node = node;
+    }
+    return 1;
+}
+
+static void release_node(State *st, int32_t node) {
+    for (;;) {
+        Node *nd = &st->nodes[node];
+        if (--nd->refs > 0) return;
+        int32_t up = nd->pnode;
+        uint64_t hh = hval_hash(&nd->h);
+        size_t ns = node_slot(st, &nd->h, hh);
+        table_delete(&st->nt, ns);
+        trash(st, nd->src);
+        if (nd->h.b) trash(st, nd->h.b);
+        if (nd->parent.b) trash(st, nd->parent.b);
+        nd->src = NULL;
+        nd->refs = -1;
+        nd->next_free = st->nodes_free;
+        st->nodes_free = node;
+        st->nodes_live--;
+        if (up < 0) return;
+        node = up;
+    }
+}
+
+static int apply_remove(State *st, PyObject *hashes, int mg) {
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        HVal h;
+        if (!read_hval(PyList_GET_ITEM(hashes, i), &h, 0)) return 0;
+        int32_t node = node_find(st, &h);
+        if (node < 0) continue;
+        uint64_t kh = key_hash(node, mg);
+        size_t ks = key_slot(st, node, mg, kh);
+        int32_t key = st->kt.s[ks].i;
+        if (key < 0) continue; /* a removal of a key not held is a no-op */
+        Key *k = &st->keys[key];
+        if (k->count > 1) {
+            k->count--;
+            continue;
+        }
+        table_delete(&st->kt, ks);
+        trash(st, k->src);
+        k->src = NULL;
+        k->node = -1;
+        k->next_free = st->keys_free;
+        st->keys_free = key;
+        st->keys_live--;
+        release_node(st, node);
+    }
+    return 1;
+}
+
+/* One event.  1 applied, 0 cannot interpret, -1 out of memory. */
+static int apply_event(State *st, PyObject *ev, TypeInfo *ti) {
+    if (ti->kind == K_BAD) return 0;
+    PyObject *hashes = FIELD(ev, ti->off_hashes);
+    PyObject *medium = FIELD(ev, ti->off_medium);
+    PyObject *group = ti->off_group >= 0 ? FIELD(ev, ti->off_group) : Py_None;
+    if (hashes == NULL || medium == NULL || group == NULL || !PyList_CheckExact(hashes)) return 0;
+    int mg = mg_id(st, medium, group);
+    if (mg < 0) return 0;
+    if (ti->kind == K_REMOVED) return apply_remove(st, hashes, mg);
+    PyObject *parent = FIELD(ev, ti->off_parent);
+    if (parent == NULL) return 0;
+    int r = apply_store(st, ev, hashes, parent, mg);
+    if (r <= 0 || ti->kind != K_MOVED) return r;
+    PyObject *from = FIELD(ev, ti->off_from);
+    if (from == NULL) return 0;
+    int fmg = mg_id(st, from, group);
+    if (fmg < 0) return 0;
+    return apply_remove(st, hashes, fmg);
+}
+
+/* ---- the Python type ---------------------------------------------------------- */
+
+static PyObject *State_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    State *st = (State *)type->tp_alloc(type, 0);
+    if (st == NULL) return NULL;
+    st->nodes_free = st->keys_free = -1;
+    st->valid = 1;
+    return (PyObject *)st;
+}
+
+static void State_dealloc(State *st) {
+    forget(st);
+    empty_trash(st);
+    free(st->trash);
+    free(st->path);
+    free(st->ghosts);
+    Py_TYPE(st)->tp_free((PyObject *)st);
+}
+
+PyDoc_STRVAR(record_doc,
+             "record(events, max_blocks) -> int | type\n\n"
+             "Apply a list of events in order.  0: applied; 1: an event it cannot\n"
+             "interpret (the state is forgotten, invalid); 2: more than max_blocks held\n"
+             "or retained (forgotten, invalid); a class: not registered yet, nothing\n"
+             "applied (register it and call again).  While invalid only a clear is looked\n"
+             "for.  Raises RuntimeError while a walk is under way.  O(blocks).");
+
+static PyObject *State_record(State *st, PyObject *args) {
+    PyObject *events;
+    Py_ssize_t max_blocks;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &events, &max_blocks)) return NULL;
+    if (st->walking || st->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the recorder is being walked or is busy");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    PyTypeObject *last = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every class known before anything changes */
+        PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(events, i));
+        if (tp == last) continue;
+        if (find_type(tp) == NULL) {
+            Py_INCREF(tp);
+            return (PyObject *)tp;
+        }
+        last = tp;
+    }
+    st->busy = 1;
+    Py_INCREF(events); /* the list must outlive the loop, whatever the trash frees */
+    long result = REC_OK;
+    TypeInfo *ti = NULL;
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(Py_TYPE(ev));
+        if (ti->kind == K_CLEARED) {
+            forget(st);
+            st->valid = 1;
+            continue;
+        }
+        if (!st->valid || ti->kind == K_IGNORE) continue;
+        int r = apply_event(st, ev, ti);
+        if (r < 0) {
+            forget(st);
+            st->valid = 0;
+            st->busy = 0;
+            empty_trash(st);
+            Py_DECREF(events);
+            return PyErr_NoMemory();
+        }
+        if (r == 0) {
+            forget(st);
+            st->valid = 0;
+            result = REC_UNREADABLE;
+            break;
+        }
+    }
+    if (st->valid && (st->keys_live > max_blocks || st->nodes_live > max_blocks)) {
+        forget(st);
+        st->valid = 0;
+        result = REC_TOO_MANY;
+    }
+    st->busy = 0;
+    empty_trash(st);
+    Py_DECREF(events);
+    return PyLong_FromLong(result);
+}
+
+static PyObject *State_invalidate(State *st, PyObject *unused) {
+    if (st->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the recorder is busy");
+        return NULL;
+    }
+    st->busy = 1;
+    st->walking = 0;
+    forget(st);
+    st->valid = 0;
+    st->busy = 0;
+    empty_trash(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *State_state(State *st, PyObject *unused) {
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < st->keys_len; i++) {
+        Key *k = &st->keys[i];
+        if (k->node < 0) continue;
+        PyObject *h = hval_object(&st->nodes[k->node].h);
+        PyObject *key = h ? PyTuple_Pack(3, st->mediums[k->mg], st->groups[k->mg], h) : NULL;
+        Py_XDECREF(h);
+        PyObject *c = key ? PyLong_FromLongLong(k->count) : NULL;
+        int bad = c == NULL || PyDict_SetItem(d, key, c) < 0;
+        Py_XDECREF(key);
+        Py_XDECREF(c);
+        if (bad) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    return d;
+}
+
+static PyObject *fail(const char *what) {
+    PyErr_SetString(PyExc_AssertionError, what);
+    return NULL;
+}
+
+/* The invariants, O(held + retained); raises AssertionError. */
+static PyObject *State_check(State *st, PyObject *unused) {
+    Py_ssize_t nlive = 0, klive = 0;
+    int32_t *refs = (int32_t *)calloc((size_t)st->nodes_len + 1, sizeof(int32_t));
+    if (refs == NULL) return PyErr_NoMemory();
+    PyObject *err = NULL;
+    for (Py_ssize_t i = 0; i < st->keys_len && err == NULL; i++) {
+        Key *k = &st->keys[i];
+        if (k->node < 0) continue;
+        klive++;
+        if (k->count < 1) err = fail("a held key has a positive count");
+        else if (k->node >= st->nodes_len || st->nodes[k->node].refs < 0)
+            err = fail("a held key's hash is retained");
+        else if (k->mg < 0 || k->mg >= st->nmg) err = fail("a held key's pair is known");
+        else if (key_find(st, k->node, k->mg) != (int32_t)i) err = fail("a held key is indexed");
+        else refs[k->node]++;
+    }
+    for (Py_ssize_t i = 0; i < st->nodes_len && err == NULL; i++) {
+        Node *n = &st->nodes[i];
+        if (n->refs < 0) continue;
+        nlive++;
+        if (node_find(st, &n->h) != (int32_t)i) err = fail("a retained hash is indexed");
+        else if (n->src == NULL) err = fail("a retained hash has its source");
+        else if (n->pnode >= 0) {
+            if (n->pnode >= st->nodes_len || st->nodes[n->pnode].refs < 0)
+                err = fail("a counted parent is retained");
+            else if (!hval_eq(&st->nodes[n->pnode].h, &n->parent))
+                err = fail("a counted parent is the parent");
+            else refs[n->pnode]++;
+        }
+    }
+    for (Py_ssize_t i = 0; i < st->nodes_len && err == NULL; i++) {
+        Node *n = &st->nodes[i];
+        if (n->refs >= 0 && (n->refs != refs[i] || n->refs < 1))
+            err = fail("refs = held keys + counted children");
+    }
+    free(refs);
+    if (err == NULL && (nlive != st->nodes_live || klive != st->keys_live ||
+                        (size_t)nlive != st->nt.used || (size_t)klive != st->kt.used))
+        err = fail("the counts match the tables");
+    if (err == NULL && !st->valid && (nlive || klive)) err = fail("an invalid state is empty");
+    if (err != NULL) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- the walk ------------------------------------------------------------------- */
+
+static int push_path(State *st, int32_t node) {
+    if (st->path_len == st->path_cap) {
+        Py_ssize_t cap = st->path_cap ? st->path_cap * 2 : 64;
+        int32_t *p = (int32_t *)realloc(st->path, (size_t)cap * sizeof(int32_t));
+        if (p == NULL) return 0;
+        st->path = p;
+        st->path_cap = cap;
+    }
+    st->path[st->path_len++] = node;
+    return 1;
+}
+
+static int push_ghost(State *st, int32_t mg, int32_t node) {
+    if (st->ghosts_len == st->ghosts_cap) {
+        Py_ssize_t cap = st->ghosts_cap ? st->ghosts_cap * 2 : 64;
+        Ghost *g = (Ghost *)realloc(st->ghosts, (size_t)cap * sizeof(Ghost));
+        if (g == NULL) return 0;
+        st->ghosts = g;
+        st->ghosts_cap = cap;
+    }
+    st->ghosts[st->ghosts_len].mg = mg;
+    st->ghosts[st->ghosts_len].node = node;
+    st->ghosts_len++;
+    return 1;
+}
+
+static inline int is_done(State *st, int32_t node, int32_t mg) {
+    Node *n = &st->nodes[node];
+    return n->done_gen == st->walk_gen && (n->done >> mg) & 1;
+}
+
+static inline void mark_done(State *st, int32_t node, int32_t mg) {
+    Node *n = &st->nodes[node];
+    if (n->done_gen != st->walk_gen) {
+        n->done_gen = st->walk_gen;
+        n->done = 0;
+    }
+    n->done |= (uint64_t)1 << mg;
+}
+
+/* Tokens block `i` of `src` carries (what a store rebuilt from it sends). */
+static Py_ssize_t block_tokens(PyObject *src, Py_ssize_t i) {
+    TypeInfo *ti = find_type(Py_TYPE(src));
+    if (ti == NULL || ti->off_tokens < 0 || ti->off_bs < 0) return 0;
+    PyObject *tok = FIELD(src, ti->off_tokens), *bs = FIELD(src, ti->off_bs);
+    if (tok == NULL || bs == NULL || !PyList_CheckExact(tok) || !PyLong_CheckExact(bs)) return 0;
+    Py_ssize_t size = PyLong_AsSsize_t(bs);
+    if (size <= 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t left = PyList_GET_SIZE(tok) - i * size;
+    return left <= 0 ? 0 : left < size ? left : size;
+}
+
+PyDoc_STRVAR(walk_start_doc,
+             "walk_start() -> None\n\n"
+             "Begin rebuilding the state (record() raises until walk_end()).  O(1).");
+
+static PyObject *State_walk_start(State *st, PyObject *unused) {
+    if (st->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the recorder is busy");
+        return NULL;
+    }
+    st->walking = st->valid ? 1 : 3;
+    st->walk_gen++;
+    if (st->walk_gen == 0) { /* wrapped: clear the marks for real */
+        for (Py_ssize_t i = 0; i < st->nodes_len; i++) st->nodes[i].done_gen = 0;
+        st->walk_gen = 1;
+    }
+    st->cursor = 0;
+    st->path_len = st->path_pos = 0;
+    st->ghosts_len = st->ghost_pos = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *State_walk_end(State *st, PyObject *unused) {
+    st->walking = 0;
+    st->path_len = st->path_pos = 0;
+    st->ghosts_len = st->ghost_pos = 0;
+    if (st->ghosts_cap > 4096) {
+        free(st->ghosts);
+        st->ghosts = NULL;
+        st->ghosts_cap = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Append one block (its count copies) to the chunk list.  -1 on error. */
+static int emit_block(State *st, PyObject *out, int32_t node, int32_t mg, int64_t count,
+                      PyObject *src, Py_ssize_t idx) {
+    Node *nd = &st->nodes[node];
+    if (count == 1 && st->run_hashes != NULL && st->run_src == src && st->run_idx == idx - 1 &&
+        st->run_mg == mg && hval_eq(&st->nodes[st->run_node].h, &nd->parent)) {
+        PyObject *h = hval_object(&nd->h);
+        if (h == NULL || PyList_Append(st->run_hashes, h) < 0) {
+            Py_XDECREF(h);
+            return -1;
+        }
+        Py_DECREF(h);
+        st->run_idx = idx;
+        st->run_node = node;
+        return 0;
+    }
+    PyObject *hashes = PyList_New(1);
+    if (hashes == NULL) return -1;
+    PyObject *h = hval_object(&nd->h);
+    if (h == NULL) {
+        Py_DECREF(hashes);
+        return -1;
+    }
+    PyList_SET_ITEM(hashes, 0, h);
+    PyObject *parent = hval_object(&nd->parent);
+    PyObject *item = parent ? Py_BuildValue("(OnONOOL)", src, idx, hashes, parent,
+                                            st->mediums[mg], st->groups[mg], (long long)count)
+                            : NULL;
+    if (item == NULL) {
+        Py_DECREF(hashes);
+        return -1;
+    }
+    int r = PyList_Append(out, item);
+    Py_DECREF(item);
+    if (r < 0) {
+        Py_DECREF(hashes);
+        return -1;
+    }
+    if (count == 1) {
+        st->run_hashes = hashes; /* borrowed: the item in `out` holds it */
+        st->run_src = src;
+        st->run_idx = idx;
+        st->run_mg = mg;
+        st->run_node = node;
+    } else {
+        st->run_hashes = NULL;
+    }
+    Py_DECREF(hashes);
+    return 0;
+}
+
+static int cmp_ghost(const void *a, const void *b) {
+    const Ghost *x = (const Ghost *)a, *y = (const Ghost *)b;
+    if (x->mg != y->mg) return x->mg < y->mg ? -1 : 1;
+    return 0;
+}
+
+PyDoc_STRVAR(walk_next_doc,
+             "walk_next(max_blocks, max_tokens) -> list | None\n\n"
+             "The next chunk's items, None when done.  A store item is (source event,\n"
+             "index of its first block, hashes, parent, medium, group, count); a\n"
+             "removal item is (medium, group, hashes).  Stores come parents first in\n"
+             "their medium and group; ancestors no key holds there are stored, and\n"
+             "removed again at the end.  O(max_blocks) blocks per call.");
+
+static PyObject *State_walk_next(State *st, PyObject *args) {
+    Py_ssize_t max_blocks, max_tokens;
+    if (!PyArg_ParseTuple(args, "nn", &max_blocks, &max_tokens)) return NULL;
+    if (st->walking == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "no walk under way");
+        return NULL;
+    }
+    if (st->walking == 3) Py_RETURN_NONE;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    st->run_hashes = NULL;
+    Py_ssize_t blocks = 0, tokens = 0;
+    while (st->walking == 1) {
+        if (st->path_pos == 0) { /* the next key not emitted yet: its path of ancestors */
+            Key *k = NULL;
+            while (st->cursor < st->keys_len) {
+                k = &st->keys[st->cursor++];
+                if (k->node >= 0 && !is_done(st, k->node, k->mg)) break;
+                k = NULL;
+            }
+            if (k == NULL) {
+                st->walking = 2;
+                if (st->ghosts_len > 1)
+                    qsort(st->ghosts, (size_t)st->ghosts_len, sizeof(Ghost), cmp_ghost);
+                break;
+            }
+            int32_t mg = k->mg;
+            st->path_len = 0;
+            st->path_mg = mg;
+            if (++st->path_gen == 0) {
+                for (Py_ssize_t i = 0; i < st->nodes_len; i++) st->nodes[i].seen = 0;
+                st->path_gen = 1;
+            }
+            int32_t node = k->node;
+            for (;;) {
+                if (!push_path(st, node)) goto nomem;
+                st->nodes[node].seen = st->path_gen;
+                const HVal *p = &st->nodes[node].parent;
+                if (p->kind == V_NONE) break;
+                int32_t up = node_find(st, p);
+                if (up < 0) break; /* a parent the stream never stored: sent as it came */
+                if (st->nodes[up].seen == st->path_gen || is_done(st, up, mg)) break;
+                node = up;
+            }
+            st->path_pos = st->path_len;
+        }
+        int32_t mg = st->path_mg;
+        int32_t node = st->path[--st->path_pos]; /* reversed: the oldest ancestor first */
+        mark_done(st, node, mg);
+        int32_t key = key_find(st, node, mg);
+        PyObject *src;
+        Py_ssize_t idx;
+        int64_t count;
+        if (key < 0) {
+            if (!push_ghost(st, mg, node)) goto nomem;
+            src = st->nodes[node].src;
+            idx = st->nodes[node].idx;
+            count = 1;
+        } else {
+            src = st->keys[key].src;
+            idx = st->keys[key].idx;
+            count = st->keys[key].count;
+        }
+        if (emit_block(st, out, node, mg, count, src, idx) < 0) goto error;
+        blocks += count;
+        tokens += count * block_tokens(src, idx);
+        if (blocks >= max_blocks || tokens >= max_tokens) goto chunk;
+    }
+    while (st->walking == 2) {
+        if (st->ghost_pos >= st->ghosts_len) {
+            st->walking = 3;
+            break;
+        }
+        int32_t mg = st->ghosts[st->ghost_pos].mg;
+        Py_ssize_t room = max_blocks - blocks;
+        PyObject *hashes = PyList_New(0);
+        if (hashes == NULL) goto error;
+        while (st->ghost_pos < st->ghosts_len && st->ghosts[st->ghost_pos].mg == mg &&
+               PyList_GET_SIZE(hashes) < room) {
+            PyObject *h = hval_object(&st->nodes[st->ghosts[st->ghost_pos].node].h);
+            if (h == NULL || PyList_Append(hashes, h) < 0) {
+                Py_XDECREF(h);
+                Py_DECREF(hashes);
+                goto error;
+            }
+            Py_DECREF(h);
+            st->ghost_pos++;
+        }
+        blocks += PyList_GET_SIZE(hashes);
+        PyObject *item = Py_BuildValue("(OON)", st->mediums[mg], st->groups[mg], hashes);
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            goto error;
+        }
+        Py_DECREF(item);
+        if (blocks >= max_blocks) goto chunk;
+    }
+chunk:
+    st->run_hashes = NULL;
+    if (PyList_GET_SIZE(out) == 0 && st->walking == 3) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+nomem:
+    PyErr_NoMemory();
+error:
+    st->run_hashes = NULL;
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *State_get_held(State *st, void *c) { return PyLong_FromSsize_t(st->keys_live); }
+static PyObject *State_get_retained(State *st, void *c) {
+    return PyLong_FromSsize_t(st->nodes_live);
+}
+static PyObject *State_get_valid(State *st, void *c) { return PyBool_FromLong(st->valid); }
+
+static PyGetSetDef State_getset[] = {
+    {"held", (getter)State_get_held, NULL, "Keys held.  O(1).", NULL},
+    {"retained", (getter)State_get_retained, NULL, "Hashes retained.  O(1).", NULL},
+    {"valid", (getter)State_get_valid, NULL, "False while unavailable.  O(1).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef State_methods[] = {
+    {"record", (PyCFunction)State_record, METH_VARARGS, record_doc},
+    {"invalidate", (PyCFunction)State_invalidate, METH_NOARGS, "Forget everything.  O(held)."},
+    {"state", (PyCFunction)State_state, METH_NOARGS, "{(medium, group, hash): count}.  O(held)."},
+    {"check", (PyCFunction)State_check, METH_NOARGS, "Assert the invariants.  O(held)."},
+    {"walk_start", (PyCFunction)State_walk_start, METH_NOARGS, walk_start_doc},
+    {"walk_next", (PyCFunction)State_walk_next, METH_VARARGS, walk_next_doc},
+    {"walk_end", (PyCFunction)State_walk_end, METH_NOARGS, "End the walk.  O(1)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "coalesce._crecord.State",
+    .tp_basicsize = sizeof(State),
+    .tp_dealloc = (destructor)State_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The recorder's state (see the C source's header).",
+    .tp_methods = State_methods,
+    .tp_getset = State_getset,
+    .tp_new = State_new,
+};
+
+/* ---- registration --------------------------------------------------------------- */
+
+static Py_ssize_t member_offset(PyTypeObject *tp, PyObject *name) {
+    PyObject *d = PyObject_GetAttr((PyObject *)tp, name);
+    if (d == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX || m->type == T_OBJECT) off = m->offset;
+    }
+    Py_DECREF(d);
+    return off;
+}
+
+PyDoc_STRVAR(register_doc,
+             "register(cls, kind, fields) -> bool\n\n"
+             "Record a class's kind (0 ignore, 1 stored, 2 removed, 3 cleared, 4 moved,\n"
+             "5 cannot interpret) and the slot offsets of the named fields it has.\n"
+             "Returns False (and registers it as 5) if a field its kind needs cannot be\n"
+             "read this way.  O(fields).");
+
+static PyObject *cr_register(PyObject *self, PyObject *args) {
+    PyObject *cls, *names;
+    int kind;
+    if (!PyArg_ParseTuple(args, "O!iO!", &PyType_Type, &cls, &kind, &PyTuple_Type, &names))
+        return NULL;
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    if (find_type(tp) != NULL) Py_RETURN_TRUE;
+    if (g_ntypes >= MAX_TYPES || kind < K_IGNORE || kind > K_BAD) Py_RETURN_FALSE;
+    TypeInfo ti;
+    memset(&ti, 0, sizeof(ti));
+    ti.kind = kind;
+    ti.off_hashes = ti.off_parent = ti.off_medium = ti.off_from = ti.off_group = -1;
+    ti.off_tokens = ti.off_bs = -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+        if (s == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        Py_ssize_t off = member_offset(tp, name);
+        if (strcmp(s, "block_hashes") == 0) ti.off_hashes = off;
+        else if (strcmp(s, "parent_block_hash") == 0) ti.off_parent = off;
+        else if (strcmp(s, kind == K_MOVED ? "to_medium" : "medium") == 0) ti.off_medium = off;
+        else if (strcmp(s, "from_medium") == 0) ti.off_from = off;
+        else if (strcmp(s, "group_idx") == 0) ti.off_group = off;
+        else if (strcmp(s, "token_ids") == 0) ti.off_tokens = off;
+        else if (strcmp(s, "block_size") == 0) ti.off_bs = off;
+    }
+    int ok = 1;
+    if (kind == K_STORED || kind == K_REMOVED || kind == K_MOVED)
+        ok = ti.off_hashes >= 0 && ti.off_medium >= 0;
+    if (ok && (kind == K_STORED || kind == K_MOVED)) ok = ti.off_parent >= 0;
+    if (ok && kind == K_MOVED) ok = ti.off_from >= 0;
+    if (!ok) ti.kind = K_BAD;
+    Py_INCREF(tp);
+    ti.type = tp;
+    g_types[g_ntypes++] = ti;
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef cr_methods[] = {
+    {"register", cr_register, METH_VARARGS, register_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef cr_module = {
+    PyModuleDef_HEAD_INIT, "coalesce._crecord",
+    "Optional C accelerator for coalesce._recorder (see the C source's header).", -1,
+    cr_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__crecord(void) {
+    if (PyType_Ready(&StateType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&cr_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&StateType);
+    if (PyModule_AddObject(m, "State", (PyObject *)&StateType) < 0) {
+        Py_DECREF(&StateType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,137 @@
+"""The C recorder (coalesce/_crecord.c) against its oracle, the pure-Python recorder.
+
+Streams wider than the model tests': bytes and 64-bit hashes, parents that
+point anywhere (cycles, self-parents, parents stored after their children),
+moves, and values outside the C domain, where the C recorder must make
+itself unavailable (a snapshot request gets -2), never be wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coalesce import _recorder
+from coalesce._recorder import new_recorder
+from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
+from coalesce.refmodel import SubscriberModel
+from tests.streams import batch_lists
+from tests.test_recorder import (
+    _apply,
+    _batch,
+    _closed,
+    _snapshot_events,
+    _store,
+    chained_streams,
+)
+
+if _recorder._accel is None:
+    if os.environ.get("COALESCE_REQUIRE_ACCEL"):
+        pytest.fail(
+            "the C recorder (coalesce/_crecord.c) was not built, and COALESCE_REQUIRE_ACCEL is set",
+            pytrace=False,
+        )
+    pytest.skip("the C recorder is not built (pure-Python recorder only)", allow_module_level=True)
+
+_POOL = [0, 1, 2, 3, 2**63 + 5, 2**64 - 1, b"\x00a", b"\x00b", b"c" * 40]
+_ODD = [-1, 2**64, 1.5, "s", True]  # outside the C domain: unavailable there, never wrong
+_MEDIA2 = ["GPU", "CPU", None, "CPU_" + "x"]
+
+
+@st.composite
+def wide_streams(draw: Any, odd: bool = True) -> list[Any]:
+    """Any hashes (bytes, 64-bit ints, odd values), any parents, moves and clears."""
+    pool = _POOL + (_ODD if odd else [])
+    values = st.sampled_from(pool)
+    batches = []
+    for t in range(draw(st.integers(0, 14))):
+        events: list[Any] = []
+        for _ in range(draw(st.integers(1, 4))):
+            kind = draw(st.sampled_from(("store", "store", "remove", "move", "clear")))
+            hs = draw(st.lists(values, min_size=1, max_size=5))
+            m, g = draw(st.sampled_from(_MEDIA2)), draw(st.sampled_from((None, 0, 1)))
+            if kind == "clear":
+                events.append(AllBlocksCleared())
+            elif kind == "remove":
+                events.append(BlockRemoved(block_hashes=hs, medium=m, group_idx=g))
+            else:
+                fields = {
+                    "block_hashes": hs,
+                    "parent_block_hash": draw(st.one_of(st.none(), values)),
+                    "token_ids": list(range(len(hs) * 2)) if draw(st.booleans()) else [],
+                    "block_size": 2,
+                    "lora_id": None,
+                    "lora_name": None,
+                    "extra_keys": [("k", i) for i in range(len(hs))]
+                    if draw(st.booleans())
+                    else None,
+                    "group_idx": g,
+                    "locality": draw(st.sampled_from((None, "a"))),
+                }
+                if kind == "store":
+                    events.append(BlockStored(medium=m, **fields))
+                else:
+                    to = draw(st.sampled_from(_MEDIA2))
+                    events.append(BlockMoved(from_medium=m, to_medium=to, **fields))
+        batches.append(KVEventBatch(ts=float(t), events=events, data_parallel_rank=0))
+    return batches
+
+
+def _models(events: list[Any], mode: str) -> tuple[Any, int]:
+    model = _apply(SubscriberModel(mode), events)
+    return model.state(), model.dropped_stores
+
+
+def _odd(h: Any) -> bool:
+    return type(h) not in (int, bytes, type(None)) or (type(h) is int and not 0 <= h < 2**64)
+
+
+def _in_domain(batches: list[Any]) -> bool:
+    """Every hash and parent is one the C recorder takes."""
+    return not any(
+        _odd(h)
+        for b in batches
+        for e in b.events
+        for h in [*getattr(e, "block_hashes", ()), getattr(e, "parent_block_hash", None)]
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(wide_streams(), wide_streams(odd=False), batch_lists(), chained_streams()))
+def test_the_c_recorder_is_the_python_one_wherever_it_is_exact(batches):
+    """Batch by batch: when C is exact, so is Python, with the same state and snapshot."""
+    py, c = new_recorder(10_000, accelerated=False), new_recorder(10_000, accelerated=True)
+    for b in batches:
+        py.record(b)
+        c.record(b)
+        py.check()
+        c.check()
+        if not c.valid:
+            assert c.reason and c.held == 0
+            continue
+        assert py.valid
+        assert c.state() == py.state()
+        assert (c.held, c.retained) == (py.held, py.retained)
+    if c.valid:
+        snap_c, snap_py = _snapshot_events(c), _snapshot_events(py)
+        assert _models(snap_c, "refcount") == _models(snap_py, "refcount")
+        if _closed(batches):  # else the order of the stores decides which a model drops
+            for mode in ("llmd", "dynamo"):
+                assert _models(snap_c, mode) == _models(snap_py, mode), mode
+    if _in_domain(batches):
+        assert c.valid == py.valid, "in its domain the C recorder is as exact as Python"
+
+
+@pytest.mark.parametrize("odd", [*_ODD, [1]])
+def test_outside_its_domain_the_c_recorder_is_unavailable_not_wrong(odd):
+    rec = new_recorder(100, accelerated=True)
+    rec.record(_batch(_store([7], None)))
+    rec.record(_batch(_store([odd], None, tokens=[])))
+    assert not rec.valid and "cannot interpret" in rec.reason and rec.held == 0
+    assert rec.invalidations == 1
+    rec.record(_batch(AllBlocksCleared(), _store([8], None)))
+    assert rec.valid and rec.state() == {("GPU", None, 8): 1}
