@@ -40,8 +40,8 @@ from bench_compact import seed_batches, workloads
 
 from coalesce import compactor
 from coalesce._recorder import AnyRecorder, new_recorder
-from coalesce.events import BlockStored, KVEventBatch
 from coalesce._wire import Encoder
+from coalesce.events import BlockStored, KVEventBatch
 
 Window = list[Any]
 
