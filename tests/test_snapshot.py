@@ -237,6 +237,32 @@ def test_a_subscriber_heals_a_gap_with_a_snapshot_instead_of_a_reset(snap_pub):
         assert src.index.state() == truth(batches)
 
 
+def test_messages_the_subscribers_queue_dropped_are_healed_by_a_snapshot(snap_pub):
+    """A loss the publisher never sees: a subscriber that stopped reading, at its HWM."""
+    p, ep, snap = snap_pub(hwm=1)
+    batches: list[Any] = []
+    with Subscriber(ep, mode="refcount", snapshot_endpoints=snap, rcvhwm=1) as sub:
+        wait_for(lambda: _heard(p, sub), what="the subscriber to hear the publisher")
+        burst = [offload(i) for i in range(200)]  # 1:1 messages, with nobody reading
+        for b in burst:
+            assert p.publish(b) is PublishOutcome.QUEUED
+            assert p.flush(10.0)
+        batches += burst
+        st_ = p.stats()
+        assert st_.batches_dropped == 0 and st_.seq_gaps == 0, "the publisher lost nothing"
+        tail = [offload(i) for i in range(200, 210)]
+        batches += tail
+        for b in tail:
+            assert p.publish(b) is PublishOutcome.QUEUED
+            assert p.flush(10.0)
+        last = p.stats().messages_sent - 1
+        wait_for(lambda: _caught_up(sub, last), what="the subscriber to reach the last seq")
+        src = sub.sources[0]
+        assert src.gaps >= 1, "the subscriber's queue dropped messages: a gap"
+        assert src.recovered >= 1 and src.resets == 0
+        assert src.index.state() == truth(batches)
+
+
 def _heard(p: CoalescingPublisher, sub: Subscriber) -> bool:
     """Publish a no-op until the subscriber has applied one (the SUB slow-joiner)."""
     if sub.sources[0].last_seq is None:
