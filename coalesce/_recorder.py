@@ -26,8 +26,9 @@ which it is exact again.
 
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
 from typing import Any, TypeAlias
 
@@ -322,26 +323,57 @@ def _extra(src: Any, i: int, n: int) -> list[Any] | None:
     return [keys[j] if j < len(keys) else None for j in range(i, i + n)]
 
 
+_OTHER = (
+    "lora_id",
+    "lora_name",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+)
+"""The fields a rebuilt store copies from its source event as they are."""
+_readers: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def _other_fields(src: Any) -> tuple[Any, ...]:
+    """``_OTHER`` of ``src`` (None where its class lacks one).  O(1) once per class."""
+    cls = type(src)
+    read = _readers.get(cls)
+    if read is None:
+        fields = getattr(cls, "__struct_fields__", ())
+        if all(f in fields for f in _OTHER):
+            read = operator.attrgetter(*_OTHER)
+        else:
+
+            def read(ev: Any) -> tuple[Any, ...]:
+                return tuple(getattr(ev, f, None) for f in _OTHER)
+
+        _readers[cls] = read
+    return read(src)
+
+
 def _stored(
     hashes: list[Any], parent: Any, medium: Any, group: Any, src: Any, i: int
 ) -> BlockStored:
     """A store of ``hashes`` rebuilt from blocks ``i ..`` of the event that stored them."""
     n = len(hashes)
+    lora_id, lora_name, kind, window, locality, ownership, session = _other_fields(src)
     return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=_tokens(src, i, n),
-        block_size=src.block_size,
-        lora_id=src.lora_id,
-        medium=medium,
-        lora_name=src.lora_name,
-        extra_keys=_extra(src, i, n),
-        group_idx=group,
-        kv_cache_spec_kind=getattr(src, "kv_cache_spec_kind", None),
-        kv_cache_spec_sliding_window=getattr(src, "kv_cache_spec_sliding_window", None),
-        locality=getattr(src, "locality", None),
-        ownership=getattr(src, "ownership", None),
-        session_id=getattr(src, "session_id", None),
+        hashes,
+        parent,
+        _tokens(src, i, n),
+        src.block_size,
+        lora_id,
+        medium,
+        lora_name,
+        _extra(src, i, n),
+        group,
+        kind,
+        window,
+        locality,
+        ownership,
+        session,
     )
 
 

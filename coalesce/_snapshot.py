@@ -184,17 +184,18 @@ class SnapshotService:
                 return True
             self._round = _Round(seq, clients, self.recorder.chunks())
             return True
-        chunk = next(rnd.chunks, None)
+        try:
+            chunk = next(rnd.chunks, None)
+            if chunk is not None:
+                payload = self._encoder.encode_raw((time.time(), chunk, self._rank, self._id))
+        except Exception as exc:  # a recorded value it cannot rebuild, or msgspec encode
+            why = f"a recorded event does not rebuild or encode ({type(exc).__name__})"
+            self._finish(UNAVAILABLE, why)
+            self.recorder.invalidate(f"{why}: {exc!s:.200}")
+            self._say()
+            return True
         if chunk is None:
             self._finish(rnd.seq, "")
-            return True
-        batch = (time.time(), chunk, self._rank, self._id)
-        try:
-            payload = self._encoder.encode_raw(batch)
-        except Exception as exc:  # a recorded value msgspec cannot encode
-            self._finish(UNAVAILABLE, f"a recorded event does not encode ({type(exc).__name__})")
-            self.recorder.invalidate(f"a recorded event does not encode: {exc!s:.200}")
-            self._say()
             return True
         rnd.frames.append(payload)
         rnd.size += len(payload)

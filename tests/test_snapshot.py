@@ -203,6 +203,29 @@ def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub
     assert seq >= 0 and model.state() == {("GPU", None, 7): 1}
 
 
+class _BareStore(msgspec.Struct, tag="BlockStored"):
+    """A caller's store with only what the state needs: it cannot be rebuilt."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    medium: str | None
+
+
+def test_a_store_that_cannot_be_rebuilt_makes_the_snapshot_unavailable(snap_pub):
+    p, _, snap = snap_pub()
+    p.publish(batch(store([1], None), _BareStore([2], 1, "GPU")))
+    assert p.flush(10.0)
+    assert p.stats().snapshot_exact, "its state is known"
+    frames = request(snap)
+    assert int.from_bytes(frames[0], "big", signed=True) == -2, "but it cannot be sent"
+    wait_for(lambda: p.stats().snapshot_unavailable == 1, what="the -2 to be counted")
+    assert p.stats().sender_alive and not p.stats().snapshot_exact
+    p.publish(batch(AllBlocksCleared(), store([7], None)))
+    assert p.flush(10.0)
+    seq, model = reply_state(request(snap))
+    assert seq >= 0 and model.state() == {("GPU", None, 7): 1}
+
+
 def test_a_subscriber_heals_a_gap_with_a_snapshot_instead_of_a_reset(snap_pub):
     ep, snap = inproc("pub"), inproc("snap")
     batches: list[Any] = []
