@@ -12,6 +12,7 @@ setup(
         Extension(
             f"coalesce.{name}",
             [f"coalesce/{name}.c"],
+            depends=["coalesce/_cstruct.h"],
             optional=True,
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )

@@ -34,12 +34,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_cstruct.h"
+
 enum { K_IGNORE = 0, K_STORED = 1, K_REMOVED = 2, K_CLEARED = 3, K_MOVED = 4, K_BAD = 5 };
 enum { REC_OK = 0, REC_UNREADABLE = 1, REC_TOO_MANY = 2 };
 
 #define MAX_TYPES 64
 #define MAX_MG 64
-#define FIELD(ev, off) (*(PyObject **)((char *)(ev) + (off)))
 
 typedef struct {
     PyTypeObject *type; /* strong reference, kept for the process's life */
@@ -65,49 +66,6 @@ typedef struct {
     PyObject *b; /* the bytes (a reference the holder owns), or NULL */
     uint8_t kind;
 } HVal;
-
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
-
-/* An exact int in [0, 2**64) as a uint64; 0 if it is not one. */
-static inline int long_u64(PyObject *h, uint64_t *out) {
-#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
-    Py_ssize_t size = Py_SIZE(h);
-    const digit *d = ((PyLongObject *)h)->ob_digit;
-    switch (size) {
-    case 0:
-        *out = 0;
-        return 1;
-    case 1:
-        *out = (uint64_t)d[0];
-        return 1;
-    case 2:
-        *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30);
-        return 1;
-    case 3:
-        if (d[2] >> 4) return 0;
-        *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((uint64_t)d[2] << 60);
-        return 1;
-    default:
-        return 0;
-    }
-#else
-    if (_PyLong_Sign(h) < 0) return 0;
-    unsigned long long x = PyLong_AsUnsignedLongLong(h);
-    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    *out = (uint64_t)x;
-    return 1;
-#endif
-}
 
 /* Read `o` as a hash value (None allowed when `none_ok`).  The bytes are borrowed. */
 static inline int read_hval(PyObject *o, HVal *out, int none_ok) {
@@ -1048,21 +1006,6 @@ static PyTypeObject StateType = {
 };
 
 /* ---- registration --------------------------------------------------------------- */
-
-static Py_ssize_t member_offset(PyTypeObject *tp, PyObject *name) {
-    PyObject *d = PyObject_GetAttr((PyObject *)tp, name);
-    if (d == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t off = -1;
-    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-        if (m->type == T_OBJECT_EX || m->type == T_OBJECT) off = m->offset;
-    }
-    Py_DECREF(d);
-    return off;
-}
 
 PyDoc_STRVAR(register_doc,
              "register(cls, kind, fields) -> bool\n\n"

@@ -16,9 +16,14 @@ a held one, so a snapshot can re-store it for a parent-checking subscriber
 (llm-d, Dynamo) and remove it again: every store of the snapshot finds its
 parent in its own medium and group.
 
+:func:`new_recorder` returns the C state (``coalesce/_crecord.c``, wrapped
+by ``_CRecorder``) when it is built, and this pure-Python :class:`Recorder`
+otherwise; the Python one is also the tests' oracle for the C one.
+
 Memory: one dict entry and one small list per held key, one per retained
 hash, plus the events they reference (an event stays alive while any of its
-blocks is held).  ``max_blocks`` bounds both counts; past it, or on anything
+blocks is held); the C state keeps a fixed-size record per key and per hash
+instead.  ``max_blocks`` bounds both counts; past it, or on anything
 it cannot interpret, the recorder is *unavailable* (it forgets everything and
 a snapshot request gets ``-2``) until the next ``AllBlocksCleared``, after
 which it is exact again.

@@ -1,0 +1,74 @@
+/* What both C accelerators (_ccompact.c, _crecord.c) share: reading msgspec
+ * structs' fields at their slot offsets, and block hashes as 64-bit values.
+ * Header-only (static functions): each extension gets its own copy. */
+#ifndef COALESCE_CSTRUCT_H
+#define COALESCE_CSTRUCT_H
+
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+/* The field at slot offset `off` of a struct (NULL when unset). */
+#define FIELD(ev, off) (*(PyObject **)((char *)(ev) + (off)))
+
+/* The slot offset of a class's field `name` (a member descriptor), or -1. */
+static inline Py_ssize_t member_offset(PyTypeObject *tp, PyObject *name) {
+    PyObject *d = PyObject_GetAttr((PyObject *)tp, name);
+    if (d == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t off = -1;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX || m->type == T_OBJECT) off = m->offset;
+    }
+    Py_DECREF(d);
+    return off;
+}
+
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* An exact int in [0, 2**64) as a uint64; 0 if it is not one.  On CPython
+ * before 3.12 the digits are read directly (PyLong_AsUnsignedLongLong takes a
+ * slow byte-array path for every value above 2**30: most block hashes). */
+static inline int long_u64(PyObject *h, uint64_t *out) {
+#if PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
+    Py_ssize_t size = Py_SIZE(h);
+    const digit *d = ((PyLongObject *)h)->ob_digit;
+    switch (size) {
+    case 0:
+        *out = 0;
+        return 1;
+    case 1:
+        *out = (uint64_t)d[0];
+        return 1;
+    case 2:
+        *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30);
+        return 1;
+    case 3:
+        if (d[2] >> 4) return 0; /* 2**64 or more */
+        *out = (uint64_t)d[0] | ((uint64_t)d[1] << 30) | ((uint64_t)d[2] << 60);
+        return 1;
+    default:
+        return 0; /* negative, or 2**90 and more */
+    }
+#else
+    unsigned long long x = PyLong_AsUnsignedLongLong(h);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (uint64_t)x;
+    return 1;
+#endif
+}
+
+#endif
