@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import zmq
 
-from coalesce._wire import END_SEQ
+from coalesce._wire import END_SEQ, read_requests
 
 __all__ = ["ReplayBuffer", "ReplayService"]
 
@@ -155,17 +155,11 @@ class ReplayService:
         Returns True if it did anything.  O(budget + requests read); never
         blocks.  The budget is shared round-robin by the replies in progress.
         """
-        did = False
         sock = self._sock
         self._steps += 1
         if not self._steps & 63:  # keep the monitor's pipe drained, requests or not
             self._count_clients()
-        for _ in range(16):  # requests read per step: bounded too
-            if not sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                break
-            frames = sock.recv_multipart()
-            did = True
-            self._request(frames)
+        did = read_requests(sock, self._request)
         if not self._active and not self._waiting:
             return did
         now = time.monotonic()

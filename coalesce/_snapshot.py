@@ -22,12 +22,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Generator
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import zmq
 
 from coalesce._recorder import AnyRecorder
-from coalesce._wire import Encoder
+from coalesce._wire import Encoder, read_requests
 
 __all__ = ["SnapshotService", "UNAVAILABLE", "NOTHING_SENT"]
 
@@ -37,7 +37,6 @@ NOTHING_SENT = -1
 UNAVAILABLE = -2
 REQUEST = b"snapshot"
 
-_EVENTS, _POLLIN = zmq.EVENTS, zmq.POLLIN
 _MORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
@@ -169,7 +168,7 @@ class SnapshotService:
         ``covered_seq()`` names the last message the recorder's state covers
         (it may consume a pending skipped seq).  Returns True if it did anything.
         """
-        did = self._read()
+        did = read_requests(self._sock, self._request)
         rnd = self._round
         if rnd is None:
             if not self._waiting:
@@ -203,26 +202,15 @@ class SnapshotService:
             self._finish(UNAVAILABLE, "larger than snapshot_max_response_bytes")
         return True
 
-    def _read(self) -> bool:
-        sock, did = self._sock, False
-        for _ in range(16):  # requests read per step: bounded too
-            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-                break
-            frames = sock.recv_multipart()
-            did = True
-            if (
-                frames[-1] != REQUEST
-                or len(frames) not in (2, 3)
-                or frames[1:-1] not in ([], [b""])
-            ):
-                self.invalid += 1
-                log.debug("ignored a malformed snapshot request of %d frames", len(frames))
-            elif len(self._waiting) >= self._max_waiting:
-                self.refused += 1
-            else:
-                self.requests += 1
-                self._waiting.append(frames[:-1])  # identity (and a REQ's delimiter)
-        return did
+    def _request(self, frames: list[bytes]) -> None:
+        if frames[-1] != REQUEST or len(frames) not in (2, 3) or frames[1:-1] not in ([], [b""]):
+            self.invalid += 1
+            log.debug("ignored a malformed snapshot request of %d frames", len(frames))
+        elif len(self._waiting) >= self._max_waiting:
+            self.refused += 1
+        else:
+            self.requests += 1
+            self._waiting.append(frames[:-1])  # identity (and a REQ's delimiter)
 
     def _finish(self, seq: int, why: str) -> None:
         """Send the round's reply (or ``-2``), then let the recorder catch up."""

@@ -8,14 +8,16 @@ builds an IntFlag per frame, which costs more than the send itself
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import msgspec
 import zmq
 
-__all__ = ["END_SEQ", "Encoder", "send_message"]
+__all__ = ["END_SEQ", "Encoder", "read_requests", "send_message"]
 
 _MORE = int(zmq.SNDMORE)
+_POLLIN = int(zmq.POLLIN)
 END_SEQ = b"\xff" * 8
 """The replay end marker's seq frame (-1 as 8 signed big-endian bytes)."""
 
@@ -48,3 +50,21 @@ def send_message(sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes
     sock.send(topic, _MORE)
     sock.send(seq.to_bytes(8, "big"), _MORE)
     sock.send(payload)
+
+
+def read_requests(
+    sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None], limit: int = 16
+) -> bool:
+    """Hand each waiting request (a multipart message) to ``handle``, at most ``limit``.
+
+    Never blocks (it reads only while ``EVENTS`` says one is waiting), so a
+    ROUTER service's step stays bounded however many clients ask.  Returns
+    True if it read any.  O(limit).
+    """
+    did = False
+    for _ in range(limit):
+        if not cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+            break
+        handle(sock.recv_multipart())
+        did = True
+    return did
