@@ -20,7 +20,7 @@
  * handle): block hashes and parents that are exact ints in [0, 2**64) or
  * exact bytes; block_hashes a list; medium str or None; group_idx int or
  * None; at most 64 distinct (medium, group) pairs at a time (the pairs are
- * forgotten when the state is).
+ * forgotten when the state is); at most 64 event classes per process.
  *
  * Cost: record() is O(blocks) with the GIL held (a table doubling is O(held)
  * once in a while); memory per block is a node (96 bytes), a key (40 bytes)
