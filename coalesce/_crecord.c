@@ -20,7 +20,9 @@
  * handle): block hashes and parents that are exact ints in [0, 2**64) or
  * exact bytes; block_hashes a list; medium str or None; group_idx int or
  * None; at most 64 distinct (medium, group) pairs at a time (the pairs are
- * forgotten when the state is); at most 64 event classes per process.
+ * forgotten when the state is); at most 64 event classes per process (past
+ * that, the caller passes a clear of a new class as one of its own and leaves
+ * other tags out; a store or removal of a new class cannot be read).
  *
  * Cost: record() is O(blocks) with the GIL held (a table doubling is O(held)
  * once in a while); memory per block is a node (96 bytes), a key (40 bytes)
@@ -1012,7 +1014,7 @@ PyDoc_STRVAR(register_doc,
              "Record a class's kind (0 ignore, 1 stored, 2 removed, 3 cleared, 4 moved,\n"
              "5 cannot interpret) and the slot offsets of the named fields it has.\n"
              "Returns False (and registers it as 5) if a field its kind needs cannot be\n"
-             "read this way.  O(fields).");
+             "read this way, None if the table is full (not registered).  O(fields).");
 
 static PyObject *cr_register(PyObject *self, PyObject *args) {
     PyObject *cls, *names;
@@ -1021,7 +1023,11 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
         return NULL;
     PyTypeObject *tp = (PyTypeObject *)cls;
     if (find_type(tp) != NULL) Py_RETURN_TRUE;
-    if (g_ntypes >= MAX_TYPES || kind < K_IGNORE || kind > K_BAD) Py_RETURN_FALSE;
+    if (kind < K_IGNORE || kind > K_BAD) {
+        PyErr_SetString(PyExc_ValueError, "unknown kind");
+        return NULL;
+    }
+    if (g_ntypes >= MAX_TYPES) Py_RETURN_NONE; /* full: not registered */
     TypeInfo ti;
     memset(&ti, 0, sizeof(ti));
     ti.kind = kind;

@@ -1,7 +1,7 @@
 # Types of the optional C recorder state (coalesce/_crecord.c).
 from typing import Any
 
-def register(cls: type, kind: int, fields: tuple[str, ...], /) -> bool: ...
+def register(cls: type, kind: int, fields: tuple[str, ...], /) -> bool | None: ...
 
 class State:
     held: int

@@ -35,9 +35,9 @@ import operator
 import os
 from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
-from coalesce.events import BlockRemoved, BlockStored
+from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 
 __all__ = ["AnyRecorder", "Recorder", "new_recorder"]
 
@@ -388,6 +388,13 @@ _KINDS = {"BlockStored": 1, "BlockRemoved": 2, "AllBlocksCleared": 3, "BlockMove
 """The C state's kinds, by tag (0: any other tag, ignored as the models do)."""
 
 
+def _kind(cls: type) -> int:
+    """The C state's kind of a class, by its msgspec tag.  O(1)."""
+    config = getattr(cls, "__struct_config__", None)
+    tag = None if config is None else config.tag
+    return _KINDS.get(tag, 0) if isinstance(tag, str) else 0
+
+
 class _CRecorder:
     """:class:`Recorder`'s interface over the C state (``coalesce._crecord.State``).
 
@@ -402,6 +409,8 @@ class _CRecorder:
         self.max_blocks = max_blocks
         self._state: Any = accel.State()
         self._register: Any = accel.register
+        for cls in (AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored):
+            self._register(cls, _kind(cls), cls.__struct_fields__)  # first: always readable
         self._reason = ""
         self.invalidations = 0
         self.batches = 0
@@ -435,18 +444,12 @@ class _CRecorder:
             self.events += len(events)
             if type(events) is not list:
                 events = list(events)
-            registered: set[type] = set()
             while True:
                 r = self._state.record(events, self.max_blocks)
                 if type(r) is int:
                     break
-                if r in registered:
-                    raise TypeError("too many event classes for the C recorder")
-                registered.add(r)
-                config = getattr(r, "__struct_config__", None)
-                tag = None if config is None else config.tag
-                kind = _KINDS.get(tag, 0) if isinstance(tag, str) else 0
-                self._register(r, kind, tuple(getattr(r, "__struct_fields__", ())))
+                if self._register(r, _kind(r), tuple(getattr(r, "__struct_fields__", ()))) is None:
+                    events = self._without_unregistered(events)
         except Exception as exc:  # a caller's mistake or a class it cannot read
             self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
             return
@@ -457,6 +460,29 @@ class _CRecorder:
                 if r == 2
                 else "an event it cannot interpret (a value outside the C recorder's domain)"
             )
+
+    _full: ClassVar[set[type]] = set()
+    """Classes the C table had no room for (it holds 64 per process)."""
+
+    def _without_unregistered(self, events: list[Any]) -> list[Any]:
+        """The events, where the C class table is full: an unregistered class's
+        clear becomes ours, an ignored tag is left out; a store or removal
+        cannot be read, so it raises (and the state is forgotten).  O(events)."""
+        out = []
+        for ev in events:
+            cls = type(ev)
+            fields = tuple(getattr(cls, "__struct_fields__", ()))
+            if cls in self._full or self._register(cls, _kind(cls), fields) is None:
+                self._full.add(cls)
+                kind = _kind(cls)
+                if kind == _KINDS["AllBlocksCleared"]:
+                    ev = AllBlocksCleared()
+                elif kind == 0:
+                    continue
+                else:
+                    raise TypeError("too many event classes for the C recorder")
+            out.append(ev)
+        return out
 
     def invalidate(self, reason: str) -> None:
         """Forget everything: unavailable until the next ``AllBlocksCleared``.  O(held)."""

@@ -9,6 +9,8 @@ itself unavailable (a snapshot request gets -2), never be wrong.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -135,3 +137,39 @@ def test_outside_its_domain_the_c_recorder_is_unavailable_not_wrong(odd):
     assert rec.invalidations == 1
     rec.record(_batch(AllBlocksCleared(), _store([8], None)))
     assert rec.valid and rec.state() == {("GPU", None, 8): 1}
+
+
+def test_past_64_event_classes_it_stays_exact_or_says_it_is_not():
+    """The class table is per process, so this runs in a process of its own."""
+    script = """
+import msgspec
+from coalesce._recorder import new_recorder
+from coalesce.events import BlockStored, KVEventBatch
+
+def store(h):
+    return BlockStored([h], None, [], 2, None, "GPU", None)
+
+def batch(*evs):
+    return KVEventBatch(0.0, list(evs), 0)
+
+rec = new_recorder(1000, accelerated=True)
+for i in range(80):  # ignored tags: past the table's 64 they are left out
+    rec.record(batch(store(i), msgspec.defstruct(f"Other{i}", [], tag=f"Other{i}")()))
+assert rec.valid and len(rec.state()) == 80, rec.reason
+Clear = msgspec.defstruct("AllBlocksCleared", [], tag="AllBlocksCleared")  # not registered
+rec.record(batch(Clear(), store(1)))
+assert rec.valid and rec.state() == {("GPU", None, 1): 1}, "a clear of any class is seen"
+Stored = msgspec.defstruct(
+    "BlockStored", [("block_hashes", list), ("parent_block_hash", object), ("medium", object)],
+    tag="BlockStored",
+)
+rec.record(batch(Stored([5], None, "GPU")))
+assert not rec.valid and "too many event classes" in rec.reason, "unreadable: not exact"
+rec.record(batch(Clear(), store(2)))
+assert rec.valid and rec.state() == {("GPU", None, 2): 1}
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
