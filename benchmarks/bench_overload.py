@@ -1,4 +1,4 @@
-"""Overload sweep: loss, divergence, stall and wire volume per publisher, 1x to 20x.
+"""Overload sweep: loss, divergence, stall, engine loop and wire volume per publisher, 1x-20x.
 
 Run: ``.venv-vllm/bin/python benchmarks/bench_overload.py`` (real vLLM
 publisher) or ``.venv/bin/python benchmarks/bench_overload.py`` (its
@@ -62,23 +62,25 @@ def main() -> None:
     )
     print(
         "| overload | events/burst step | publisher | stall ms | worst publish ms | p99 us "
-        "| dropped | gaps seen | silent divergence | final divergence | wire MB "
-        "| wire vs stock |"
+        "| engine vs stock | dropped | gaps seen | resets | recovered | silent divergence "
+        "| final divergence | wire MB | wire vs stock |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for load in (float(x) for x in args.loads.split(",")):
         requests = max(1, round(load * cap / per_request))
         cfg = replace(base, burst_requests=requests)
-        stock_bytes = None
+        stock_bytes = stock_wall = None
         for kind in PUBLISHERS:
             r = run_publisher(kind, cfg, queue=args.queue, show_progress=False)
             if kind == "stock":
-                stock_bytes = r.bytes_on_wire
+                stock_bytes, stock_wall = r.bytes_on_wire, r.engine_wall_s
             vs = f"{r.bytes_on_wire / stock_bytes:.2f}" if stock_bytes else "n/a"
+            engine = f"{r.engine_wall_s / stock_wall:.2f}x" if stock_wall else "n/a"
             print(
                 f"| {load:g}x | {requests * per_request:,} | {kind} | {r.publish_total_ms:.1f} "
-                f"| {r.publish_max_us / 1e3:.2f} | {r.publish_p99_us:.1f} | {r.dropped} "
-                f"| {r.gaps_seen} | {r.silent:,} | {r.missing + r.stale:,} "
+                f"| {r.publish_max_us / 1e3:.2f} | {r.publish_p99_us:.1f} | {engine} "
+                f"| {r.dropped} | {r.gaps_seen} | {r.resets} | {r.recovered} "
+                f"| {r.silent:,} | {r.missing + r.stale:,} "
                 f"| {r.bytes_on_wire / 1e6:.1f} | {vs} |",
                 flush=True,
             )
