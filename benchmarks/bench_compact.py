@@ -122,29 +122,48 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
     return paths
 
 
-def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
-    """Median seconds per event of each path; paths alternate within each round."""
-    enc = msgspec.msgpack.Encoder()
-    paths = _paths(enc)
-    events = sum(len(b.events) for w in windows for b in w)
-    for fn in paths.values():  # warm up, register classes with the accelerator
-        for w in windows:
-            fn(w)
+def alternate(
+    paths: dict[str, Callable[[], Any]],
+    events: int,
+    seconds: float,
+    rounds: int,
+    *,
+    slow: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Median seconds per event of each zero-argument path.
+
+    Each path is called once to warm up; then, in each round, every path runs
+    for about ``seconds`` (the first path's time sets the repetitions; a path
+    in ``slow`` runs that many times fewer), in order, then in reverse order
+    the next round, so that drift in the machine's speed hits every path alike.
+    """
+    for fn in paths.values():
+        fn()
+    first = next(iter(paths))
     t0 = time.perf_counter()
-    for w in windows:
-        paths["raw"](w)
+    paths[first]()
     reps = max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))
     samples: dict[str, list[float]] = {k: [] for k in paths}
     for r in range(rounds):
         order = list(paths) if r % 2 == 0 else list(reversed(paths))
         for name in order:
-            n = max(1, reps // 20) if name == "rules py" else reps
+            n = max(1, reps // (slow or {}).get(name, 1))
             t0 = time.perf_counter()
             for _ in range(n):
-                for w in windows:
-                    paths[name](w)
+                paths[name]()
             samples[name].append((time.perf_counter() - t0) / (n * events))
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
+    """Median seconds per event of each path over all the windows (see :func:`alternate`)."""
+
+    def over_windows(fn: Callable[[Window], Any]) -> Callable[[], Any]:
+        return lambda: [fn(w) for w in windows]
+
+    paths = {k: over_windows(fn) for k, fn in _paths(msgspec.msgpack.Encoder()).items()}
+    events = sum(len(b.events) for w in windows for b in w)
+    return alternate(paths, events, seconds, rounds, slow={"rules py": 20})
 
 
 def volume(windows: list[Window]) -> tuple[float, float]:

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_compact import seed_batches, workloads
+from bench_compact import alternate, seed_batches, workloads
 
 from coalesce import compactor
 from coalesce._recorder import AnyRecorder, new_recorder
@@ -77,24 +77,9 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
 
 
 def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
-    """Median seconds per input event of each path; paths alternate within each round."""
-    paths = _paths(windows)
+    """Median seconds per input event of each path (bench_compact's alternation)."""
     events = sum(len(b.events) for w in windows for b in w)
-    for fn in paths.values():
-        fn()
-    t0 = time.perf_counter()
-    paths["raw"]()
-    reps = max(1, int(seconds / max(time.perf_counter() - t0, 1e-6)))
-    samples: dict[str, list[float]] = {k: [] for k in paths}
-    for r in range(rounds):
-        order = list(paths) if r % 2 == 0 else list(reversed(paths))
-        for name in order:
-            n = max(1, reps // 10) if name == "record Python" else reps
-            t0 = time.perf_counter()
-            for _ in range(n):
-                paths[name]()
-            samples[name].append((time.perf_counter() - t0) / (n * events))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return alternate(_paths(windows), events, seconds, rounds, slow={"record Python": 10})
 
 
 def snapshot_cost(rec: AnyRecorder, rounds: int) -> tuple[float, float]:
