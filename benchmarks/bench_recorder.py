@@ -84,12 +84,12 @@ def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, flo
 
 def snapshot_cost(rec: AnyRecorder, rounds: int) -> tuple[float, float]:
     """(seconds per block, longest chunk in seconds) to build and encode the snapshot."""
-    enc = Encoder()
+    enc = Encoder(b"\x01" * 16)
     per_block, longest = [], 0.0
     for _ in range(rounds):
         t0 = last = time.perf_counter()
         for chunk in rec.chunks():
-            enc.encode_raw((0.0, chunk, 0, b"\x01" * 16))
+            enc.encode_with_id(0.0, chunk, 0)
             now = time.perf_counter()
             longest = max(longest, now - last)
             last = now

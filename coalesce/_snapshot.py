@@ -62,7 +62,6 @@ class SnapshotService:
         self,
         sock: zmq.Socket[bytes],
         recorder: AnyRecorder,
-        encoder: Encoder,
         publisher_id: bytes,
         rank: int,
         *,
@@ -72,7 +71,7 @@ class SnapshotService:
     ) -> None:
         self._sock = sock
         self.recorder = recorder
-        self._encoder = encoder
+        self._encoder = Encoder(publisher_id)
         self._id = publisher_id
         self._rank = rank
         self._max_bytes = max_response_bytes
@@ -186,7 +185,7 @@ class SnapshotService:
         try:
             chunk = next(rnd.chunks, None)
             if chunk is not None:
-                payload = self._encoder.encode_raw((time.time(), chunk, self._rank, self._id))
+                payload = self._encoder.encode_with_id(time.time(), chunk, self._rank)
         except Exception as exc:  # a recorded value it cannot rebuild, or msgspec encode
             why = f"a recorded event does not rebuild or encode ({type(exc).__name__})"
             self._finish(UNAVAILABLE, why)

@@ -38,11 +38,14 @@ class Encoder:
         """Encode one batch.  Raises whatever msgspec raises for an unencodable value."""
         if self._id is None:
             return self._enc.encode(batch)
-        return self._enc.encode((batch.ts, batch.events, batch.data_parallel_rank, self._id))
+        return self.encode_with_id(batch.ts, batch.events, batch.data_parallel_rank)
 
-    def encode_raw(self, value: Any) -> bytes:
-        """Encode any value as it is."""
-        return self._enc.encode(value)
+    def encode_with_id(self, ts: float, events: list[Any], rank: int | None) -> bytes:
+        """``[ts, events, rank, publisher_id]`` without building a batch (a snapshot
+        chunk).  Only with a ``publisher_id``."""
+        if self._id is None:
+            raise ValueError("encode_with_id needs an Encoder with a publisher_id")
+        return self._enc.encode((ts, events, rank, self._id))
 
 
 def send_message(sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes) -> None:

@@ -38,7 +38,6 @@ from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
 from coalesce._snapshot import SnapshotService
-from coalesce._wire import Encoder
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -216,7 +215,6 @@ class CoalescingPublisher:
             snapshot = SnapshotService(
                 snap_sock,
                 new_recorder(self.settings.snapshot_max_blocks),
-                Encoder(self.publisher_id),
                 self.publisher_id,
                 data_parallel_rank,
                 max_response_bytes=self.settings.snapshot_max_response_bytes,
