@@ -24,8 +24,13 @@
  * that, the caller passes a clear of a new class as one of its own and leaves
  * other tags out; a store or removal of a new class cannot be read).
  *
- * Cost: record() is O(blocks) with the GIL held (a table doubling is O(held)
- * once in a while); memory per block is a node (96 bytes), a key (40 bytes)
+ * Cost: record() is O(blocks) (a table doubling is O(held) once in a while),
+ * in two passes: the events are read into a flat array of ops and hash values
+ * with the GIL held (no Python code runs, so nothing changes them), then the
+ * tables are updated from the array without touching any Python object:
+ * with the GIL released when the batch carries at least `release_at` hashes.
+ * References the tables take meanwhile are counted, and the ones they drop
+ * released, once it is held again; memory per block is a node (96 bytes), a key (40 bytes)
  * and a slot in each table (16 bytes, at load 1/4 to 1/2), plus slab slack
  * after doublings.  walk_next() is O(max_blocks) blocks per call.
  */
@@ -152,6 +157,19 @@ typedef struct {
     int32_t node;
 } Ghost;
 
+enum { OP_STORE = 0, OP_REMOVE = 1, OP_CLEAR = 2, OP_BAD = 3 };
+
+/* One event read under the GIL: a store of hv[h0, h0 + n) chained from
+ * `parent` (of source `ev`), a removal of them, a clear, or an event it
+ * cannot interpret. */
+typedef struct {
+    int op;
+    int32_t mg;
+    PyObject *ev;
+    HVal parent;
+    Py_ssize_t h0, n;
+} Op;
+
 typedef struct {
     PyObject_HEAD
     Node *nodes;
@@ -168,6 +186,17 @@ typedef struct {
     int busy;
     PyObject **trash; /* references to drop once the state is consistent again */
     Py_ssize_t trash_len, trash_cap;
+    /* record(): the events are read into ops with the GIL held, then applied
+     * (without it when there are enough); reference counts change only with it */
+    Op *ops;
+    Py_ssize_t ops_len, ops_cap;
+    HVal *hv; /* the ops' hashes */
+    Py_ssize_t hv_len, hv_cap;
+    PyObject **temps; /* references held while the ops are applied */
+    Py_ssize_t temps_len, temps_cap;
+    PyObject **incs; /* references the tables took meanwhile (room reserved) */
+    Py_ssize_t incs_len, incs_cap;
+    int nogil;  /* applying without the GIL: trash() may not DECREF */
     /* the walk (chunks of a snapshot) */
     int walking;      /* 0: none, 1: keys, 2: ghosts, 3: done */
     uint32_t walk_gen, path_gen;
@@ -190,7 +219,9 @@ static int trash(State *st, PyObject *o) {
         Py_ssize_t cap = st->trash_cap ? st->trash_cap * 2 : 256;
         PyObject **t = (PyObject **)realloc(st->trash, (size_t)cap * sizeof(PyObject *));
         if (t == NULL) {
-            Py_DECREF(o); /* the state stays consistent: only an owned reference goes */
+            /* the state stays consistent: only an owned reference goes (leaks
+             * without the GIL, on a failed allocation only) */
+            if (!st->nogil) Py_DECREF(o);
             return 0;
         }
         st->trash = t;
@@ -315,7 +346,9 @@ static int ensure_room(State *st) {
     return 1;
 }
 
-/* Forget everything (the references go to the trash).  O(held + retained). */
+/* Forget the tables (the references go to the trash), not the (medium, group)
+ * pairs: ops read before a clear name them.  Runs without the GIL.
+ * O(held + retained). */
 static void forget(State *st) {
     for (Py_ssize_t i = 0; i < st->nodes_len; i++) {
         Node *n = &st->nodes[i];
@@ -326,10 +359,6 @@ static void forget(State *st) {
     }
     for (Py_ssize_t i = 0; i < st->keys_len; i++)
         if (st->keys[i].node >= 0) trash(st, st->keys[i].src);
-    for (int i = 0; i < st->nmg; i++) {
-        trash(st, st->mediums[i]);
-        trash(st, st->groups[i]);
-    }
     free(st->nodes);
     free(st->keys);
     st->nodes = NULL;
@@ -339,6 +368,14 @@ static void forget(State *st) {
     st->nodes_free = st->keys_free = -1;
     table_free(&st->nt);
     table_free(&st->kt);
+}
+
+/* Forget the (medium, group) pairs.  With the GIL.  O(pairs). */
+static void forget_pairs(State *st) {
+    for (int i = 0; i < st->nmg; i++) {
+        trash(st, st->mediums[i]);
+        trash(st, st->groups[i]);
+    }
     st->nmg = 0;
 }
 
@@ -366,25 +403,119 @@ static int mg_id(State *st, PyObject *medium, PyObject *group) {
     return st->nmg++;
 }
 
+/* ---- reading the events (with the GIL) ------------------------------------------ */
+
+static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return 1;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *a = realloc(*arr, (size_t)c * size);
+    if (a == NULL) return 0;
+    *arr = a;
+    *cap = c;
+    return 1;
+}
+
+static int hold(State *st, PyObject *o) {
+    if (!grow((void **)&st->temps, &st->temps_cap, st->temps_len + 1, sizeof(PyObject *))) return -1;
+    Py_INCREF(o);
+    st->temps[st->temps_len++] = o;
+    return 1;
+}
+
+static Op *new_op(State *st, int op) {
+    if (!grow((void **)&st->ops, &st->ops_cap, st->ops_len + 1, sizeof(Op))) return NULL;
+    Op *o = &st->ops[st->ops_len++];
+    memset(o, 0, sizeof(Op));
+    o->op = op;
+    return o;
+}
+
+/* Read a hash list into hv (bytes held).  1, 0 cannot interpret, -1 no memory. */
+static int read_hashes(State *st, PyObject *hashes, Py_ssize_t *h0, Py_ssize_t *n) {
+    Py_ssize_t len = PyList_GET_SIZE(hashes);
+    if (!grow((void **)&st->hv, &st->hv_cap, st->hv_len + len, sizeof(HVal))) return -1;
+    HVal *out = &st->hv[st->hv_len];
+    for (Py_ssize_t i = 0; i < len; i++) {
+        if (!read_hval(PyList_GET_ITEM(hashes, i), &out[i], 0)) return 0;
+        if (out[i].b != NULL && hold(st, out[i].b) < 0) return -1;
+    }
+    *h0 = st->hv_len;
+    *n = len;
+    st->hv_len += len;
+    return 1;
+}
+
+/* One event into ops.  1, 0 cannot interpret, -1 no memory. */
+static int read_event(State *st, PyObject *ev, TypeInfo *ti, Py_ssize_t *stored) {
+    if (ti->kind == K_BAD) return 0;
+    PyObject *hashes = FIELD(ev, ti->off_hashes);
+    PyObject *medium = FIELD(ev, ti->off_medium);
+    PyObject *group = ti->off_group >= 0 ? FIELD(ev, ti->off_group) : Py_None;
+    if (hashes == NULL || medium == NULL || group == NULL || !PyList_CheckExact(hashes)) return 0;
+    int mg = mg_id(st, medium, group);
+    if (mg < 0) return 0;
+    Py_ssize_t h0, n;
+    int r = read_hashes(st, hashes, &h0, &n);
+    if (r <= 0) return r;
+    if (ti->kind == K_REMOVED) {
+        Op *o = new_op(st, OP_REMOVE);
+        if (o == NULL) return -1;
+        o->mg = mg;
+        o->h0 = h0;
+        o->n = n;
+        return 1;
+    }
+    PyObject *parent = FIELD(ev, ti->off_parent);
+    HVal prev;
+    if (parent == NULL || !read_hval(parent, &prev, 1)) return 0;
+    int fmg = -1;
+    if (ti->kind == K_MOVED) {
+        PyObject *from = FIELD(ev, ti->off_from);
+        if (from == NULL || (fmg = mg_id(st, from, group)) < 0) return 0;
+    }
+    if (hold(st, ev) < 0 || (prev.b != NULL && hold(st, prev.b) < 0)) return -1;
+    Op *o = new_op(st, OP_STORE);
+    if (o == NULL) return -1;
+    o->mg = mg;
+    o->ev = ev;
+    o->parent = prev;
+    o->h0 = h0;
+    o->n = n;
+    *stored += n;
+    if (ti->kind == K_MOVED) {
+        o = new_op(st, OP_REMOVE);
+        if (o == NULL) return -1;
+        o->mg = fmg;
+        o->h0 = h0;
+        o->n = n;
+    }
+    return 1;
+}
+
+/* ---- applying them (without the GIL when there are many) ------------------------ */
+
+/* A reference the tables take; counted once the GIL is held (room reserved). */
+static inline void take(State *st, PyObject *o) { st->incs[st->incs_len++] = o; }
+
 static inline void set_src(State *st, PyObject **slot, Py_ssize_t *idx, PyObject *ev,
                            Py_ssize_t i) {
     if (*slot != ev) {
-        Py_INCREF(ev);
+        take(st, ev);
         trash(st, *slot);
         *slot = ev;
     }
     *idx = i;
 }
 
-/* Apply a store of `hashes` (chained from `parent`) in pair `mg`.  0 to decline. */
-static int apply_store(State *st, PyObject *ev, PyObject *hashes, PyObject *parent, int mg) {
-    HVal prev;
-    if (!read_hval(parent, &prev, 1)) return 0;
+/* Apply a store op.  1, or -1 out of memory. */
+static int apply_store(State *st, const Op *op) {
+    HVal prev = op->parent;
+    PyObject *ev = op->ev;
+    int32_t mg = op->mg;
     int32_t prev_node = -2; /* -2: look the parent up; -1: not retained */
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        HVal h;
-        if (!read_hval(PyList_GET_ITEM(hashes, i), &h, 0)) return 0;
+    for (Py_ssize_t i = 0; i < op->n; i++) {
+        HVal h = st->hv[op->h0 + i];
         if (!ensure_room(st)) return -1;
         uint64_t hh = hval_hash(&h);
         size_t ns = node_slot(st, &h, hh);
@@ -418,12 +549,12 @@ static int apply_store(State *st, PyObject *ev, PyObject *hashes, PyObject *pare
                 }
                 Node *nd = &st->nodes[node];
                 nd->h = h;
-                Py_XINCREF(h.b);
+                if (h.b) take(st, h.b);
                 nd->parent = prev;
-                Py_XINCREF(prev.b);
+                if (prev.b) take(st, prev.b);
                 nd->refs = 1;
                 nd->pnode = pn;
-                Py_INCREF(ev);
+                take(st, ev);
                 nd->src = ev;
                 nd->idx = i;
                 nd->seen = 0;
@@ -450,7 +581,7 @@ static int apply_store(State *st, PyObject *ev, PyObject *hashes, PyObject *pare
             k->node = node;
             k->mg = mg;
             k->count = 1;
-            Py_INCREF(ev);
+            take(st, ev);
             k->src = ev;
             k->idx = i;
             st->kt.s[ks].h = kh;
@@ -485,15 +616,13 @@ static void release_node(State *st, int32_t node) {
     }
 }
 
-static int apply_remove(State *st, PyObject *hashes, int mg) {
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        HVal h;
-        if (!read_hval(PyList_GET_ITEM(hashes, i), &h, 0)) return 0;
-        int32_t node = node_find(st, &h);
+static void apply_remove(State *st, const Op *op) {
+    for (Py_ssize_t i = 0; i < op->n; i++) {
+        const HVal *h = &st->hv[op->h0 + i];
+        int32_t node = node_find(st, h);
         if (node < 0) continue;
-        uint64_t kh = key_hash(node, mg);
-        size_t ks = key_slot(st, node, mg, kh);
+        uint64_t kh = key_hash(node, op->mg);
+        size_t ks = key_slot(st, node, op->mg, kh);
         int32_t key = st->kt.s[ks].i;
         if (key < 0) continue; /* a removal of a key not held is a no-op */
         Key *k = &st->keys[key];
@@ -510,28 +639,35 @@ static int apply_remove(State *st, PyObject *hashes, int mg) {
         st->keys_live--;
         release_node(st, node);
     }
-    return 1;
 }
 
-/* One event.  1 applied, 0 cannot interpret, -1 out of memory. */
-static int apply_event(State *st, PyObject *ev, TypeInfo *ti) {
-    if (ti->kind == K_BAD) return 0;
-    PyObject *hashes = FIELD(ev, ti->off_hashes);
-    PyObject *medium = FIELD(ev, ti->off_medium);
-    PyObject *group = ti->off_group >= 0 ? FIELD(ev, ti->off_group) : Py_None;
-    if (hashes == NULL || medium == NULL || group == NULL || !PyList_CheckExact(hashes)) return 0;
-    int mg = mg_id(st, medium, group);
-    if (mg < 0) return 0;
-    if (ti->kind == K_REMOVED) return apply_remove(st, hashes, mg);
-    PyObject *parent = FIELD(ev, ti->off_parent);
-    if (parent == NULL) return 0;
-    int r = apply_store(st, ev, hashes, parent, mg);
-    if (r <= 0 || ti->kind != K_MOVED) return r;
-    PyObject *from = FIELD(ev, ti->off_from);
-    if (from == NULL) return 0;
-    int fmg = mg_id(st, from, group);
-    if (fmg < 0) return 0;
-    return apply_remove(st, hashes, fmg);
+/* Apply the ops in order.  REC_* or -1 (out of memory: forgotten, invalid).
+ * Touches no Python object's reference count. */
+static int apply_ops(State *st, Py_ssize_t max_blocks) {
+    int result = REC_OK;
+    for (Py_ssize_t i = 0; i < st->ops_len; i++) {
+        const Op *op = &st->ops[i];
+        if (op->op == OP_CLEAR) {
+            forget(st);
+            st->valid = 1;
+        } else if (op->op == OP_BAD) {
+            forget(st);
+            st->valid = 0;
+            return REC_UNREADABLE;
+        } else if (op->op == OP_REMOVE) {
+            apply_remove(st, op);
+        } else if (apply_store(st, op) < 0) {
+            forget(st);
+            st->valid = 0;
+            return -1;
+        }
+    }
+    if (st->valid && (st->keys_live > max_blocks || st->nodes_live > max_blocks)) {
+        forget(st);
+        st->valid = 0;
+        result = REC_TOO_MANY;
+    }
+    return result;
 }
 
 /* ---- the Python type ---------------------------------------------------------- */
@@ -546,25 +682,62 @@ static PyObject *State_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void State_dealloc(State *st) {
     forget(st);
+    forget_pairs(st);
     empty_trash(st);
     free(st->trash);
     free(st->path);
     free(st->ghosts);
+    free(st->ops);
+    free(st->hv);
+    free(st->temps);
+    free(st->incs);
     Py_TYPE(st)->tp_free((PyObject *)st);
 }
 
+/* Count the references the tables took, drop what record() held, shrink its
+ * buffers.  With the GIL.  Python code (a __del__) may run only at the end,
+ * on a consistent state. */
+static void end_record(State *st) {
+    for (Py_ssize_t i = 0; i < st->incs_len; i++) Py_INCREF(st->incs[i]);
+    st->incs_len = 0;
+    if (!st->valid) forget_pairs(st);
+    if (grow((void **)&st->trash, &st->trash_cap, st->trash_len + st->temps_len,
+             sizeof(PyObject *))) {
+        memcpy(st->trash + st->trash_len, st->temps, (size_t)st->temps_len * sizeof(PyObject *));
+        st->trash_len += st->temps_len;
+    } else {
+        while (st->temps_len > 0) Py_DECREF(st->temps[--st->temps_len]);
+    }
+    st->temps_len = st->ops_len = st->hv_len = 0;
+    if (st->hv_cap > 65536) { /* one huge batch does not keep its buffers */
+        free(st->hv);
+        free(st->ops);
+        free(st->temps);
+        free(st->incs);
+        st->hv = NULL;
+        st->ops = NULL;
+        st->temps = st->incs = NULL;
+        st->hv_cap = st->ops_cap = st->temps_cap = st->incs_cap = 0;
+    }
+    st->busy = 0;
+    empty_trash(st);
+}
+
 PyDoc_STRVAR(record_doc,
-             "record(events, max_blocks) -> int | type\n\n"
+             "record(events, max_blocks, release_at=0) -> int | type\n\n"
              "Apply a list of events in order.  0: applied; 1: an event it cannot\n"
              "interpret (the state is forgotten, invalid); 2: more than max_blocks held\n"
              "or retained (forgotten, invalid); a class: not registered yet, nothing\n"
              "applied (register it and call again).  While invalid only a clear is looked\n"
-             "for.  Raises RuntimeError while a walk is under way.  O(blocks).");
+             "for.  The events are read with the GIL held; when they carry at least\n"
+             "release_at hashes (0: never), the tables are updated with it released.\n"
+             "Raises RuntimeError while a walk is under way.  O(blocks).");
 
 static PyObject *State_record(State *st, PyObject *args) {
     PyObject *events;
-    Py_ssize_t max_blocks;
-    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &events, &max_blocks)) return NULL;
+    Py_ssize_t max_blocks, release_at = 0;
+    if (!PyArg_ParseTuple(args, "O!n|n", &PyList_Type, &events, &max_blocks, &release_at))
+        return NULL;
     if (st->walking || st->busy) {
         PyErr_SetString(PyExc_RuntimeError, "the recorder is being walked or is busy");
         return NULL;
@@ -581,42 +754,46 @@ static PyObject *State_record(State *st, PyObject *args) {
         last = tp;
     }
     st->busy = 1;
-    Py_INCREF(events); /* the list must outlive the loop, whatever the trash frees */
-    long result = REC_OK;
+    /* read: nothing here runs Python code, so the list cannot change meanwhile */
+    int valid = st->valid, oom = 0;
+    Py_ssize_t stored = 0;
     TypeInfo *ti = NULL;
-    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(events); i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i);
         if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(Py_TYPE(ev));
         if (ti->kind == K_CLEARED) {
-            forget(st);
-            st->valid = 1;
-            continue;
+            forget_pairs(st); /* the ops before it keep their pairs' indices */
+            if (new_op(st, OP_CLEAR) == NULL) oom = 1;
+            valid = 1;
+        } else if (valid && ti->kind != K_IGNORE) {
+            int r = read_event(st, ev, ti, &stored);
+            if (r == 0 && new_op(st, OP_BAD) == NULL) r = -1;
+            if (r < 0) oom = 1;
+            if (r <= 0) break; /* the state is forgotten there: the rest cannot matter */
         }
-        if (!st->valid || ti->kind == K_IGNORE) continue;
-        int r = apply_event(st, ev, ti);
-        if (r < 0) {
-            forget(st);
-            st->valid = 0;
-            st->busy = 0;
-            empty_trash(st);
-            Py_DECREF(events);
-            return PyErr_NoMemory();
-        }
-        if (r == 0) {
-            forget(st);
-            st->valid = 0;
-            result = REC_UNREADABLE;
-            break;
-        }
+        if (oom) break;
     }
-    if (st->valid && (st->keys_live > max_blocks || st->nodes_live > max_blocks)) {
+    /* room for every reference the tables may take: four per stored block */
+    if (!oom && !grow((void **)&st->incs, &st->incs_cap, 4 * stored + 1, sizeof(PyObject *)))
+        oom = 1;
+    if (oom) { /* nothing applied: forget it all, as on any failure */
         forget(st);
         st->valid = 0;
-        result = REC_TOO_MANY;
+        end_record(st);
+        return PyErr_NoMemory();
     }
-    st->busy = 0;
-    empty_trash(st);
-    Py_DECREF(events);
+    int result;
+    if (release_at > 0 && st->hv_len >= release_at) {
+        st->nogil = 1;
+        Py_BEGIN_ALLOW_THREADS
+        result = apply_ops(st, max_blocks);
+        Py_END_ALLOW_THREADS
+        st->nogil = 0;
+    } else {
+        result = apply_ops(st, max_blocks);
+    }
+    end_record(st);
+    if (result < 0) return PyErr_NoMemory();
     return PyLong_FromLong(result);
 }
 
@@ -628,6 +805,7 @@ static PyObject *State_invalidate(State *st, PyObject *unused) {
     st->busy = 1;
     st->walking = 0;
     forget(st);
+    forget_pairs(st);
     st->valid = 0;
     st->busy = 0;
     empty_trash(st);

@@ -57,6 +57,10 @@ CHUNK_BLOCKS = 256
 """Blocks per snapshot chunk (one ``KVEventBatch``): bounds the work of one step."""
 CHUNK_TOKENS = 65_536
 """Tokens per snapshot chunk: bounds a chunk's bytes whatever the block size."""
+RELEASE_AT = 64
+"""Block hashes in a batch from which the C recorder updates its tables with
+the GIL released (the engine thread runs meanwhile); below it, releasing and
+taking the GIL back would cost more than it frees."""
 
 _UNSET: Any = object()
 
@@ -405,8 +409,9 @@ class _CRecorder:
     the stores only, one per chained run.
     """
 
-    def __init__(self, max_blocks: int, accel: ModuleType) -> None:
+    def __init__(self, max_blocks: int, accel: ModuleType, release_at: int = RELEASE_AT) -> None:
         self.max_blocks = max_blocks
+        self.release_at = release_at
         self._state: Any = accel.State()
         self._register: Any = accel.register
         for cls in (AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored):
@@ -445,7 +450,7 @@ class _CRecorder:
             if type(events) is not list:
                 events = list(events)
             while True:
-                r = self._state.record(events, self.max_blocks)
+                r = self._state.record(events, self.max_blocks, self.release_at)
                 if type(r) is int:
                     break
                 if self._register(r, _kind(r), tuple(getattr(r, "__struct_fields__", ()))) is None:
@@ -516,14 +521,18 @@ class _CRecorder:
 AnyRecorder: TypeAlias = "Recorder | _CRecorder"
 
 
-def new_recorder(max_blocks: int, *, accelerated: bool | None = None) -> AnyRecorder:
+def new_recorder(
+    max_blocks: int, *, accelerated: bool | None = None, release_at: int = RELEASE_AT
+) -> AnyRecorder:
     """The C recorder when it is built (and not disabled), else the Python one.
 
     ``accelerated=True`` requires the C one (ImportError without it);
-    ``False`` forces the Python one.
+    ``False`` forces the Python one.  ``release_at``: the C recorder updates
+    its tables with the GIL released for a batch of at least that many block
+    hashes (0: never); the Python one ignores it.
     """
     if accelerated is False or (accelerated is None and _accel is None):
         return Recorder(max_blocks)
     if _accel is None:
         raise ImportError("coalesce._crecord is not built")
-    return _CRecorder(max_blocks, _accel)
+    return _CRecorder(max_blocks, _accel, release_at)

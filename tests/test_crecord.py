@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -106,7 +107,8 @@ def _in_domain(batches: list[Any]) -> bool:
 @given(st.one_of(wide_streams(), wide_streams(odd=False), batch_lists(), chained_streams()))
 def test_the_c_recorder_is_the_python_one_wherever_it_is_exact(batches):
     """Batch by batch: when C is exact, so is Python, with the same state and snapshot."""
-    py, c = new_recorder(10_000, accelerated=False), new_recorder(10_000, accelerated=True)
+    py = new_recorder(10_000, accelerated=False)
+    c = new_recorder(10_000, accelerated=True, release_at=1)  # the tables without the GIL
     for b in batches:
         py.record(b)
         c.record(b)
@@ -173,3 +175,99 @@ print("ok")
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def _big_batch(n: int, base: int = 1 << 40) -> Any:
+    """One store of ``n`` chained blocks, half of them removed again, bytes hashes too."""
+    hashes: list[Any] = [base + i for i in range(n)]
+    hashes[1::7] = [b"h%d" % i for i in range(len(hashes[1::7]))]
+    events = [
+        _store(hashes, None, tokens=[0] * (2 * n)),
+        BlockRemoved(block_hashes=hashes[::2], medium="GPU"),
+    ]
+    return KVEventBatch(ts=0.0, events=events)
+
+
+def _spinner() -> tuple[list[int], Any, Any]:
+    """A thread counting in Python, handing the GIL back after each count.
+
+    With a huge switch interval it can count only while the main thread has
+    released the GIL of its own accord."""
+    import threading
+
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    for _ in range(10_000):  # until it runs (bounded); waiting releases the GIL
+        if count[0]:
+            break
+        stop.wait(0.001)
+    assert count[0], "the counting thread never ran"
+    return count, stop, thread
+
+
+@pytest.mark.parametrize("release_at", [0, 1])
+def test_the_tables_are_updated_without_the_gil_from_release_at(release_at):
+    """With the GIL held nothing else runs during record(); released, another thread does."""
+    batch = _big_batch(200_000)
+    rec = new_recorder(10**6, accelerated=True, release_at=release_at)
+    interval = sys.getswitchinterval()
+    count, stop, thread = _spinner()
+    sys.setswitchinterval(1000.0)  # no forced switch: only a release lets it count
+    try:
+        before = count[0]
+        rec.record(batch)
+        during = count[0] - before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join(10)
+    rec.check()
+    assert rec.valid and rec.held == 100_000
+    if release_at:
+        assert during > 0, "the GIL was never released"
+    else:
+        assert during == 0
+
+
+def test_a_caller_changing_the_events_while_the_tables_update_cannot_break_it():
+    """The events are read before the GIL is released: whatever another thread does to
+    them meanwhile, the state stays consistent, and is exactly what was read."""
+    import threading
+
+    batches = [_big_batch(50_000, base=(i + 1) << 32) for i in range(6)]
+    rec = new_recorder(10**6, accelerated=True, release_at=1)
+    py = new_recorder(10**6, accelerated=False)
+    stop = threading.Event()
+    seen: list[list[Any]] = []
+
+    def vandal() -> None:  # rewrites whatever batch is not being read right now
+        while not stop.is_set():
+            for b in batches[len(seen) :]:
+                for ev in b.events:
+                    ev.block_hashes[:] = list(ev.block_hashes)
+            stop.wait(0)
+
+    thread = threading.Thread(target=vandal, daemon=True)
+    thread.start()
+    try:
+        for b in batches:
+            snapshot = [
+                type(ev)(**{f: getattr(ev, f) for f in ev.__struct_fields__}) for ev in b.events
+            ]
+            seen.append(snapshot)
+            rec.record(b)
+            py.record(KVEventBatch(ts=0.0, events=snapshot))
+            for ev in b.events:  # and now replace every list it read, freeing the old ones
+                ev.block_hashes = [h for h in ev.block_hashes]
+    finally:
+        stop.set()
+        thread.join(10)
+    rec.check()
+    assert rec.valid and rec.state() == py.state()

@@ -30,20 +30,25 @@ from tests.streams import (
     parent_of,
 )
 
-IMPLS = ["py", "c"] if _recorder._accel is not None else ["py"]
-_current = {"accelerated": False}
+# "c" updates its tables with the GIL held, "c-nogil" with it released (every batch)
+IMPLS = ["py", "c", "c-nogil"] if _recorder._accel is not None else ["py"]
+_current: dict[str, Any] = {"accelerated": False, "release_at": 0}
 
 
 @pytest.fixture(params=IMPLS, autouse=True)
 def impl(request: Any) -> Any:
     """Run the test with each recorder (``_record`` and ``_new`` use it)."""
-    _current["accelerated"] = request.param == "c"
-    yield request.param
+    _current["accelerated"] = request.param != "py"
+    _current["release_at"] = 1 if request.param == "c-nogil" else 0
+    yield "c" if request.param == "c-nogil" else request.param
     _current["accelerated"] = False
+    _current["release_at"] = 0
 
 
 def _new(max_blocks: int = 10_000) -> AnyRecorder:
-    return new_recorder(max_blocks, accelerated=_current["accelerated"])
+    return new_recorder(
+        max_blocks, accelerated=_current["accelerated"], release_at=_current["release_at"]
+    )
 
 
 def _snapshot_events(rec: AnyRecorder) -> list[Any]:
