@@ -341,10 +341,13 @@ def test_a_large_snapshot_is_served_while_live_traffic_flows(snap_pub):
 @settings(max_examples=25, deadline=None)
 @given(batch_lists(), st.data())
 def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
-    """Losses at random points (refused over budget, lost at encode): the subscriber
-    heals with snapshots and ends with the refcount state of everything published."""
+    """Losses at random points (refused over budget, lost at encode, dropped by the
+    subscriber's full queue): the subscriber heals with snapshots and ends with the
+    refcount state of everything published."""
     ep, snap = inproc("pub"), inproc("snap")
     published: list[Any] = []
+    hwm = 32  # each side's queue: messages past both are dropped (the publisher never knows)
+    overflowed = False
     with (
         CoalescingPublisher(
             endpoint=ep,
@@ -352,12 +355,16 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             max_queue_size=2,
             high_watermark=1,
             stall_timeout=0,
+            hwm=hwm,
         ) as p,
-        Subscriber(ep, mode="refcount", snapshot_endpoints=snap) as sub,
+        Subscriber(ep, mode="refcount", snapshot_endpoints=snap, rcvhwm=hwm) as sub,
     ):
         wait_for(lambda: _heard(p, sub), what="the subscriber to hear the publisher")
         for b in batches:
-            how = data.draw(st.sampled_from(("send", "send", "refuse", "bad")))
+            how = data.draw(st.sampled_from(("send", "send", "refuse", "bad", "hwm")))
+            if how != "hwm" and data.draw(st.booleans()):
+                assert p.flush(10.0)
+                sub.poll(0)  # read what has arrived (and heal what was lost)
             if how == "refuse":
                 with held(p):
                     for extra in (batch(), batch()):
@@ -368,6 +375,15 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
                 p.publish(batch(BlockRemoved([999], "GPU")))
                 published.extend([batch(store([999], None)), batch(BlockRemoved([999], "GPU"))])
                 p.publish(b)
+            elif how == "hwm":  # sent, then lost in the queues while nobody reads
+                assert p.flush(10.0)
+                sub.poll(0)
+                p.publish(b)
+                assert p.flush(10.0)
+                for _ in range(3 * hwm):
+                    assert p.publish(batch()) is PublishOutcome.QUEUED
+                    assert p.flush(10.0)
+                overflowed = True
             else:
                 p.publish(b)
             published.append(b)
@@ -379,6 +395,8 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
         last = s.messages_sent + s.seq_gaps - 1
         wait_for(lambda: _caught_up(sub, last), what="the subscriber to reach the last seq")
         src = sub.sources[0]
+        if overflowed:
+            assert src.gaps >= 1, "the subscriber's queue dropped messages: a gap"
         if s.snapshot_exact:
             assert src.resets == 0
             assert src.index.state() == truth(published)
