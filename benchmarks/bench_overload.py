@@ -2,9 +2,11 @@
 
 Run: ``.venv-vllm/bin/python benchmarks/bench_overload.py`` (real vLLM
 publisher) or ``.venv/bin/python benchmarks/bench_overload.py`` (its
-re-implementation).  Each cell is one run of ``coalesce.demo.run_publisher``
+re-implementation).  Each cell is a run of ``coalesce.demo.run_publisher``
 (one engine process, one subscriber process with replay) on the seeded
-offload workload; the overload factor sets the burst size.
+offload workload; the overload factor sets the burst size.  ``--only`` picks
+publishers; ``--runs N`` alternates them N times per load (medians; counts
+are the worst run's).
 
 Overload = events offered in one burst step / events the stock sender can
 encode and send during one GPU wait, both measured in this run.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 from dataclasses import replace
 
 from coalesce.demo import (
@@ -36,7 +39,17 @@ def main() -> None:
         default=0,
         help="publish each step as batches of at most this many events (0: one per step)",
     )
+    ap.add_argument(
+        "--only", action="append", choices=PUBLISHERS, help="run only these publishers (repeat)"
+    )
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="rounds per load, publishers alternated; cells show medians (counts: the worst)",
+    )
     args = ap.parse_args()
+    kinds = [k for k in PUBLISHERS if not args.only or k in args.only]
     base = replace(
         WorkloadConfig(),
         ranks=1,
@@ -69,18 +82,27 @@ def main() -> None:
     for load in (float(x) for x in args.loads.split(",")):
         requests = max(1, round(load * cap / per_request))
         cfg = replace(base, burst_requests=requests)
-        stock_bytes = stock_wall = None
-        for kind in PUBLISHERS:
-            r = run_publisher(kind, cfg, queue=args.queue, show_progress=False)
-            if kind == "stock":
-                stock_bytes, stock_wall = r.bytes_on_wire, r.engine_wall_s
-            vs = f"{r.bytes_on_wire / stock_bytes:.2f}" if stock_bytes else "n/a"
-            engine = f"{r.engine_wall_s / stock_wall:.2f}x" if stock_wall else "n/a"
+        rounds = []
+        for _ in range(args.runs):
+            rounds.append(
+                {k: run_publisher(k, cfg, queue=args.queue, show_progress=False) for k in kinds}
+            )
+        for kind in kinds:
+            rs = [rnd[kind] for rnd in rounds]
+            r = rs[-1]
+            engine = vs = "n/a"
+            if "stock" in kinds:
+                ratios = [rnd[kind].engine_wall_s / rnd["stock"].engine_wall_s for rnd in rounds]
+                engine = f"{statistics.median(ratios):.2f}x"
+                vs = f"{r.bytes_on_wire / rounds[-1]['stock'].bytes_on_wire:.2f}"
             print(
-                f"| {load:g}x | {requests * per_request:,} | {kind} | {r.publish_total_ms:.1f} "
-                f"| {r.publish_max_us / 1e3:.2f} | {r.publish_p99_us:.1f} | {engine} "
-                f"| {r.dropped} | {r.gaps_seen} | {r.resets} | {r.recovered} "
-                f"| {r.silent:,} | {r.missing + r.stale:,} "
+                f"| {load:g}x | {requests * per_request:,} | {kind} "
+                f"| {statistics.median(x.publish_total_ms for x in rs):.1f} "
+                f"| {max(x.publish_max_us for x in rs) / 1e3:.2f} "
+                f"| {statistics.median(x.publish_p99_us for x in rs):.1f} | {engine} "
+                f"| {max(x.dropped for x in rs)} | {max(x.gaps_seen for x in rs)} "
+                f"| {max(x.resets for x in rs)} | {max(x.recovered for x in rs)} "
+                f"| {max(x.silent for x in rs):,} | {max(x.missing + x.stale for x in rs):,} "
                 f"| {r.bytes_on_wire / 1e6:.1f} | {vs} |",
                 flush=True,
             )

@@ -14,6 +14,12 @@ are when it sends 1:1.  Paths, timed in alternation, medians of rounds:
 - ``record C compacted``: the C recorder fed the C rules' output of each
   window (what the sender records under pressure).
 
+Then the engine's share: an engine thread runs steps of Python work and a
+GIL-free wait (a GPU step's shape), handing one batch per step to a sender
+thread that only records it; the engine loop's time with no recorder, with
+the C recorder holding the GIL throughout, and with its table pass run
+without the GIL (what the publisher does from ``RELEASE_AT`` hashes).
+
 Then the snapshot itself, per recorder: building and encoding the chunks of
 the state the seed workload leaves, per block, and the longest chunk (one
 sender step); and a snapshot of ``--blocks`` (1M) held blocks, end to end.
@@ -24,11 +30,13 @@ sender step); and a snapshot of ``--blocks`` (1M) held blocks, end to end.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,10 +44,10 @@ from typing import Any
 import msgspec
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_compact import alternate, seed_batches, workloads
+from bench_compact import alternate, make_batch, seed_batches, workloads
 
 from coalesce import compactor
-from coalesce._recorder import AnyRecorder, new_recorder
+from coalesce._recorder import RELEASE_AT, AnyRecorder, new_recorder
 from coalesce._wire import Encoder
 from coalesce.events import BlockStored, KVEventBatch
 
@@ -97,6 +105,54 @@ def snapshot_cost(rec: AnyRecorder, rounds: int) -> tuple[float, float]:
     return statistics.median(per_block), longest
 
 
+def engine_loop(batches: list[Any], release_at: int | None) -> float:
+    """Seconds of an engine loop of one step per batch (about 50 us of Python and
+    a 100 us GIL-free wait), each batch recorded by a sender thread (None: none)."""
+    pending: collections.deque[Any] = collections.deque()
+    wake = threading.Event()
+    rec = (
+        None if release_at is None else new_recorder(10**7, accelerated=True, release_at=release_at)
+    )
+
+    def sender() -> None:
+        while True:
+            wake.wait()
+            wake.clear()
+            while pending:
+                b = pending.popleft()
+                if b is None:
+                    return
+                if rec is not None:
+                    rec.record(b)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    t0 = time.perf_counter()
+    for b in batches:
+        x = 0
+        for i in range(600):  # the engine's Python work
+            x += i
+        pending.append(b)
+        wake.set()
+        time.sleep(0.0001)  # the GPU: the GIL is free
+    elapsed = time.perf_counter() - t0
+    pending.append(None)
+    wake.set()
+    thread.join()
+    return elapsed
+
+
+def engine_share(batches: list[Any], rounds: int) -> dict[str, float]:
+    """Median engine-loop seconds per path, paths alternated in each round."""
+    paths = {"no recorder": None, "GIL held": 0, "tables without GIL": RELEASE_AT}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(rounds):
+        for name, release_at in paths.items():
+            gc.collect()
+            times[name].append(engine_loop(batches, release_at))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def big_state(blocks: int, accelerated: bool) -> AnyRecorder:
     """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size)."""
     rec = new_recorder(blocks + 1, accelerated=accelerated)
@@ -140,6 +196,23 @@ def main() -> None:
             f"| {name} | {raw * 1e9:.0f} | {per['raw+id'] / raw:.2f}x | "
             f"{per['record C'] / raw:.2f}x | {per['record C compacted'] / raw:.2f}x | "
             f"{per['record Python'] / raw:.1f}x |",
+            flush=True,
+        )
+    print(
+        "\n| engine's share | batches | events/batch | no recorder s | GIL held "
+        "| tables without GIL |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, stream in (
+        ("seed burst", seed_batches(True, 1100)),
+        ("offload ~100/batch", [make_batch(i, 33) for i in range(800)]),
+    ):
+        loop = engine_share(stream, args.rounds)
+        base = loop["no recorder"]
+        print(
+            f"| {name} | {len(stream)} | {sum(len(b.events) for b in stream) / len(stream):.0f} "
+            f"| {base:.3f} | {loop['GIL held'] / base:.2f}x "
+            f"| {loop['tables without GIL'] / base:.2f}x |",
             flush=True,
         )
     print("\n| snapshot | blocks | ns per block (build + encode) | longest chunk ms | total s |")
