@@ -701,8 +701,10 @@ static void end_record(State *st) {
     for (Py_ssize_t i = 0; i < st->incs_len; i++) Py_INCREF(st->incs[i]);
     st->incs_len = 0;
     if (!st->valid) forget_pairs(st);
-    if (grow((void **)&st->trash, &st->trash_cap, st->trash_len + st->temps_len,
-             sizeof(PyObject *))) {
+    if (st->temps_len == 0) {
+        /* nothing held */
+    } else if (grow((void **)&st->trash, &st->trash_cap, st->trash_len + st->temps_len,
+                    sizeof(PyObject *))) {
         memcpy(st->trash + st->trash_len, st->temps, (size_t)st->temps_len * sizeof(PyObject *));
         st->trash_len += st->temps_len;
     } else {
