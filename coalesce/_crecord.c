@@ -30,9 +30,10 @@
  * tables are updated from the array without touching any Python object:
  * with the GIL released when the batch carries at least `release_at` hashes.
  * References the tables take meanwhile are counted, and the ones they drop
- * released, once it is held again; memory per block is a node (96 bytes), a key (40 bytes)
- * and a slot in each table (16 bytes, at load 1/4 to 1/2), plus slab slack
- * after doublings.  walk_next() is O(max_blocks) blocks per call.
+ * released, once it is held again.  Memory per block is a node (96 bytes), a
+ * key (40 bytes) and a slot in each table (16 bytes, at load 1/4 to 1/2),
+ * plus slab slack after doublings.  walk_next() is O(max_blocks) blocks per
+ * call.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -417,7 +418,8 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
 }
 
 static int hold(State *st, PyObject *o) {
-    if (!grow((void **)&st->temps, &st->temps_cap, st->temps_len + 1, sizeof(PyObject *))) return -1;
+    if (!grow((void **)&st->temps, &st->temps_cap, st->temps_len + 1, sizeof(PyObject *)))
+        return -1;
     Py_INCREF(o);
     st->temps[st->temps_len++] = o;
     return 1;
@@ -814,7 +816,15 @@ static PyObject *State_invalidate(State *st, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static int refuse_busy(State *st) {
+    if (!st->busy) return 0;
+    /* record() is updating the tables without the GIL, in another thread */
+    PyErr_SetString(PyExc_RuntimeError, "the recorder is busy");
+    return 1;
+}
+
 static PyObject *State_state(State *st, PyObject *unused) {
+    if (refuse_busy(st)) return NULL;
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
     for (Py_ssize_t i = 0; i < st->keys_len; i++) {
@@ -842,6 +852,7 @@ static PyObject *fail(const char *what) {
 
 /* The invariants, O(held + retained); raises AssertionError. */
 static PyObject *State_check(State *st, PyObject *unused) {
+    if (refuse_busy(st)) return NULL;
     Py_ssize_t nlive = 0, klive = 0;
     int32_t *refs = (int32_t *)calloc((size_t)st->nodes_len + 1, sizeof(int32_t));
     if (refs == NULL) return PyErr_NoMemory();
@@ -1159,6 +1170,8 @@ static PyObject *State_get_retained(State *st, void *c) {
 static PyObject *State_get_valid(State *st, void *c) { return PyBool_FromLong(st->valid); }
 
 static PyGetSetDef State_getset[] = {
+    /* read from any thread without waiting: during a record() that released
+     * the GIL they may describe a batch half applied */
     {"held", (getter)State_get_held, NULL, "Keys held.  O(1).", NULL},
     {"retained", (getter)State_get_retained, NULL, "Hashes retained.  O(1).", NULL},
     {"valid", (getter)State_get_valid, NULL, "False while unavailable.  O(1).", NULL},

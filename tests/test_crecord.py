@@ -188,18 +188,26 @@ def _big_batch(n: int, base: int = 1 << 40) -> Any:
     return KVEventBatch(ts=0.0, events=events)
 
 
-def _spinner() -> tuple[list[int], Any, Any]:
-    """A thread counting in Python, handing the GIL back after each count.
+def _spinner(rec: Any) -> tuple[list[int], list[Any], Any, Any]:
+    """A thread counting in Python, handing the GIL back after each count, and
+    asking the recorder's state for its invariants each time.
 
     With a huge switch interval it can count only while the main thread has
     released the GIL of its own accord."""
     import threading
 
-    count, stop = [0], threading.Event()
+    count, seen, stop = [0], [], threading.Event()
 
     def spin() -> None:
         while not stop.is_set():
             count[0] += 1
+            try:
+                rec._state.check()
+            except RuntimeError as exc:  # busy: the tables are being updated
+                seen.append(exc)
+            except BaseException as exc:  # anything else: it read a table mid-update
+                seen.append(exc)
+                return
             time.sleep(0)
 
     thread = threading.Thread(target=spin, daemon=True)
@@ -209,16 +217,17 @@ def _spinner() -> tuple[list[int], Any, Any]:
             break
         stop.wait(0.001)
     assert count[0], "the counting thread never ran"
-    return count, stop, thread
+    return count, seen, stop, thread
 
 
 @pytest.mark.parametrize("release_at", [0, 1])
 def test_the_tables_are_updated_without_the_gil_from_release_at(release_at):
-    """With the GIL held nothing else runs during record(); released, another thread does."""
+    """With the GIL held nothing else runs during record(); released, another thread
+    does, and what it asks of the state meanwhile is refused, never half-read."""
     batch = _big_batch(200_000)
     rec = new_recorder(10**6, accelerated=True, release_at=release_at)
     interval = sys.getswitchinterval()
-    count, stop, thread = _spinner()
+    count, seen, stop, thread = _spinner(rec)
     sys.setswitchinterval(1000.0)  # no forced switch: only a release lets it count
     try:
         before = count[0]
@@ -228,12 +237,13 @@ def test_the_tables_are_updated_without_the_gil_from_release_at(release_at):
         sys.setswitchinterval(interval)
         stop.set()
         thread.join(10)
+    assert all(isinstance(e, RuntimeError) and "busy" in str(e) for e in seen), seen
     rec.check()
     assert rec.valid and rec.held == 100_000
     if release_at:
-        assert during > 0, "the GIL was never released"
+        assert during > 0 and seen, "the GIL was never released"
     else:
-        assert during == 0
+        assert during == 0 and not seen
 
 
 def test_a_caller_changing_the_events_while_the_tables_update_cannot_break_it():
