@@ -59,8 +59,8 @@ CHUNK_TOKENS = 65_536
 """Tokens per snapshot chunk: bounds a chunk's bytes whatever the block size."""
 RELEASE_AT = 64
 """Block hashes in a batch from which the C recorder updates its tables with
-the GIL released (the engine thread runs meanwhile); below it, releasing and
-taking the GIL back would cost more than it frees."""
+the GIL released (the engine thread runs meanwhile); below it, releasing it
+gave the engine nothing measurable (docs/benchmarks.md)."""
 
 _UNSET: Any = object()
 
