@@ -214,19 +214,26 @@ typedef struct {
     int32_t run_mg, run_node;
 } State;
 
+/* Room for `need` items of `size` bytes in *arr (capacity *cap, doubled).
+ * Plain malloc: usable without the GIL.  0 if out of memory (*arr intact). */
+static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return 1;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *a = realloc(*arr, (size_t)c * size);
+    if (a == NULL) return 0;
+    *arr = a;
+    *cap = c;
+    return 1;
+}
+
 static int trash(State *st, PyObject *o) {
     if (o == NULL) return 1;
-    if (st->trash_len == st->trash_cap) {
-        Py_ssize_t cap = st->trash_cap ? st->trash_cap * 2 : 256;
-        PyObject **t = (PyObject **)realloc(st->trash, (size_t)cap * sizeof(PyObject *));
-        if (t == NULL) {
-            /* the state stays consistent: only an owned reference goes (leaks
-             * without the GIL, on a failed allocation only) */
-            if (!st->nogil) Py_DECREF(o);
-            return 0;
-        }
-        st->trash = t;
-        st->trash_cap = cap;
+    if (!grow((void **)&st->trash, &st->trash_cap, st->trash_len + 1, sizeof(PyObject *))) {
+        /* the state stays consistent: only an owned reference goes (leaks
+         * without the GIL, on a failed allocation only) */
+        if (!st->nogil) Py_DECREF(o);
+        return 0;
     }
     st->trash[st->trash_len++] = o;
     return 1;
@@ -405,17 +412,6 @@ static int mg_id(State *st, PyObject *medium, PyObject *group) {
 }
 
 /* ---- reading the events (with the GIL) ------------------------------------------ */
-
-static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
-    if (need <= *cap) return 1;
-    Py_ssize_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *a = realloc(*arr, (size_t)c * size);
-    if (a == NULL) return 0;
-    *arr = a;
-    *cap = c;
-    return 1;
-}
 
 static int hold(State *st, PyObject *o) {
     if (!grow((void **)&st->temps, &st->temps_cap, st->temps_len + 1, sizeof(PyObject *)))
@@ -899,25 +895,13 @@ static PyObject *State_check(State *st, PyObject *unused) {
 /* ---- the walk ------------------------------------------------------------------- */
 
 static int push_path(State *st, int32_t node) {
-    if (st->path_len == st->path_cap) {
-        Py_ssize_t cap = st->path_cap ? st->path_cap * 2 : 64;
-        int32_t *p = (int32_t *)realloc(st->path, (size_t)cap * sizeof(int32_t));
-        if (p == NULL) return 0;
-        st->path = p;
-        st->path_cap = cap;
-    }
+    if (!grow((void **)&st->path, &st->path_cap, st->path_len + 1, sizeof(int32_t))) return 0;
     st->path[st->path_len++] = node;
     return 1;
 }
 
 static int push_ghost(State *st, int32_t mg, int32_t node) {
-    if (st->ghosts_len == st->ghosts_cap) {
-        Py_ssize_t cap = st->ghosts_cap ? st->ghosts_cap * 2 : 64;
-        Ghost *g = (Ghost *)realloc(st->ghosts, (size_t)cap * sizeof(Ghost));
-        if (g == NULL) return 0;
-        st->ghosts = g;
-        st->ghosts_cap = cap;
-    }
+    if (!grow((void **)&st->ghosts, &st->ghosts_cap, st->ghosts_len + 1, sizeof(Ghost))) return 0;
     st->ghosts[st->ghosts_len].mg = mg;
     st->ghosts[st->ghosts_len].node = node;
     st->ghosts_len++;
