@@ -347,7 +347,7 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
     ep, snap = inproc("pub"), inproc("snap")
     published: list[Any] = []
     hwm = 32  # each side's queue: messages past both are dropped (the publisher never knows)
-    overflowed = False
+    overflowed = lost_at_encode = False
     with (
         CoalescingPublisher(
             endpoint=ep,
@@ -371,6 +371,7 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
                         p.publish(extra)
                     p.publish(b)  # refused: the hand-off is full
             elif how == "bad":
+                lost_at_encode = True  # its store cannot be rebuilt: -2 until a clear
                 p.publish(batch(store([999], None, tokens=[object()])))  # lost at encode
                 p.publish(batch(BlockRemoved([999], "GPU")))
                 published.extend([batch(store([999], None)), batch(BlockRemoved([999], "GPU"))])
@@ -397,6 +398,9 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
         src = sub.sources[0]
         if overflowed:
             assert src.gaps >= 1, "the subscriber's queue dropped messages: a gap"
-        if s.snapshot_exact:
+        if not lost_at_encode:  # nothing made the recorder unavailable
+            assert s.snapshot_exact and s.snapshot_unavailable == 0
+        if s.snapshot_unavailable == 0:  # every snapshot asked for was given
             assert src.resets == 0
+        if s.snapshot_exact:  # (a clear since any -2 made the state exact again)
             assert src.index.state() == truth(published)
