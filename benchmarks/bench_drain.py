@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -31,6 +32,7 @@ from coalesce import CoalescingPublisher
 from coalesce._baselines import REAL_VLLM, StockPublisher
 
 _n = [0]
+_ENC = msgspec.msgpack.Encoder()
 
 
 def _reader(endpoint: str, stop: threading.Event) -> threading.Thread:
@@ -55,8 +57,9 @@ def _reader(endpoint: str, stop: threading.Event) -> threading.Thread:
     return t
 
 
-def drain_once(kind: str, batches: list[Any]) -> float:
-    """Seconds from the first publish() until every batch has left the sender."""
+def drain_once(kind: str, batches: list[Any]) -> tuple[float, float]:
+    """Seconds from the first publish() until every batch has left the sender, and
+    the payload bytes sent (stock: those of encoding every batch)."""
     _n[0] += 1
     endpoint = f"inproc://drain-{os.getpid()}-{_n[0]}"
     stop = threading.Event()
@@ -66,6 +69,8 @@ def drain_once(kind: str, batches: list[Any]) -> float:
         pub = StockPublisher(0, endpoint=endpoint, max_queue_size=big, hwm=0)
     else:
         pub = CoalescingPublisher(0, endpoint=endpoint, max_queue_size=big, hwm=0)
+        if kind == "coalesce, object rules":  # the payload path off (as without the accelerator's
+            pub._sender._payload_rules = False  # payload rules): the previous design, for an A/B
     reader = _reader(endpoint, stop)
     for b in batches:
         b.data_parallel_rank = None
@@ -79,11 +84,15 @@ def drain_once(kind: str, batches: list[Any]) -> float:
         assert pub.flush(120)
     dt = time.perf_counter() - t0
     if kind != "stock":
-        assert pub.stats().batches_dropped == 0
+        st = pub.stats()
+        assert st.batches_dropped == 0
+        nbytes = float(st.bytes_sent)
+    else:
+        nbytes = float(sum(len(_ENC.encode(b)) for b in batches))
     pub.shutdown()
     stop.set()
     reader.join(5)
-    return dt
+    return dt, nbytes
 
 
 def main() -> None:
@@ -96,18 +105,30 @@ def main() -> None:
         f"{'real vLLM' if REAL_VLLM else 're-implementation'}; engine idle; medians of "
         f"{args.repeats} alternating runs\n"
     )
-    print("| workload | batches | events | stock Mev/s | coalesce Mev/s | coalesce / stock |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| workload | batches | events | stock Mev/s | coalesce Mev/s | coalesce / stock "
+        "| object rules / stock | wire bytes | object rules' wire bytes |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, blocks, n in (("big (~110 events)", 37, 4000), ("small (~20 events)", 7, 20000)):
         batches = [make_batch(i, blocks) for i in range(n)]
         events = sum(len(b.events) for b in batches)
-        runs: dict[str, list[float]] = {"stock": [], "coalesce": []}
+        kinds = ("stock", "coalesce", "coalesce, object rules")
+        runs: dict[str, list[float]] = {k: [] for k in kinds}
+        wire: dict[str, float] = {}
         for _ in range(args.repeats):
             for kind in runs:
-                runs[kind].append(drain_once(kind, batches))
-        stock = events / statistics.median(runs["stock"]) / 1e6
-        ours = events / statistics.median(runs["coalesce"]) / 1e6
-        print(f"| {name} | {n:,} | {events:,} | {stock:.2f} | {ours:.2f} | {ours / stock:.2f} |")
+                dt, nbytes = drain_once(kind, batches)
+                runs[kind].append(dt)
+                wire[kind] = nbytes
+        rate = {k: events / statistics.median(v) / 1e6 for k, v in runs.items()}
+        stock, ours, objs = rate["stock"], rate["coalesce"], rate["coalesce, object rules"]
+        print(
+            f"| {name} | {n:,} | {events:,} | {stock:.2f} | {ours:.2f} | {ours / stock:.2f} "
+            f"| {objs / stock:.2f} | {wire['coalesce'] / wire['stock']:.2f} "
+            f"| {wire['coalesce, object rules'] / wire['stock']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,9 @@ from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import SnapshotService
 from coalesce._wire import Encoder, send_message
-from coalesce.compactor import compact, rule_stats
+from coalesce.compactor import PAYLOAD_RELEASE_AT, accelerated, compact, compact_payload, rule_stats
 
-__all__ = ["Level", "Sender"]
+__all__ = ["Level", "PayloadWorker", "Sender"]
 
 log = logging.getLogger("coalesce")
 
@@ -111,6 +111,7 @@ class Totals:
     events_superseded: int = 0
     fold_only_passes: int = 0
     messages_sent: int = 0
+    payload_passes: int = 0
     seq_gaps: int = 0
 
     def add_pass(self, report: Any, fold_only: bool) -> None:
@@ -118,6 +119,11 @@ class Totals:
         self.fold_only_passes += fold_only
         for field, stat in _RULE_STATS:
             setattr(self, stat, getattr(self, stat) + getattr(report, field))
+
+    def add_payload(self, superseded: int, cancelled: int, merged: int) -> None:
+        self.events_superseded += superseded
+        self.blocks_cancelled += cancelled
+        self.events_merged += merged
 
     def add_abandoned(self, batches: int, events: int) -> None:
         self.abandoned_batches += batches
@@ -130,6 +136,78 @@ class Totals:
 
 _RULE_STATS = rule_stats()
 _PUBLISHED = [f for f in fields(Totals) if not f.name.startswith("abandoned")]
+
+
+class PayloadWorker:
+    """A helper thread that runs :func:`compact_payload` on one payload at a time.
+
+    The C payload rules release the GIL, so while this thread compacts window
+    N the sender thread folds and encodes window N+1: the sender's serial work
+    stays what folding and encoding cost.  It touches nothing of the sender's
+    (it returns the result; the sender thread alone sends, records and counts),
+    so a late or dead helper can only make the sender send a window
+    uncompacted, never lose or reorder one.
+    """
+
+    def __init__(self) -> None:
+        self._job: bytes | None = None
+        self._result: tuple[bytes, int, int, int, int] | None = None
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._stop = False
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, name="coalesce-compactor", daemon=True)
+        self._thread.start()
+
+    def submit(self, payload: bytes) -> None:
+        """Start compacting ``payload`` (only when not :attr:`busy`).  O(1)."""
+        self._job, self._result, self.busy = payload, None, True
+        self._done.clear()
+        self._ready.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (GIL released) for the submitted job."""
+        return self._done.wait(timeout)
+
+    def take(self) -> tuple[bytes, int, int, int, int] | None:
+        """The finished job's result (None: it declined or failed).  Only after
+        :meth:`wait` said True.  O(1)."""
+        self.busy = False
+        return self._result
+
+    def stop(self) -> None:
+        self._stop = True
+        self._ready.set()
+
+    def _run(self) -> None:
+        while True:
+            self._ready.wait()
+            self._ready.clear()
+            if self._stop:
+                return
+            try:
+                job, self._job = self._job, None
+                self._result = None if job is None else compact_payload(job)
+            except BaseException:  # MemoryError, say: the sender sends it uncompacted
+                self._result = None
+            self._done.set()
+
+
+WORKER_TIMEOUT = 10.0
+"""Seconds the sender waits for the helper's result before sending the window
+uncompacted (the C work is O(bytes): only a machine starved of CPU gets near it)."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A window whose payload the helper is compacting: sent and recorded when done."""
+
+    payload: bytes
+    n_events: int
+    batches: list[Any]  # what the recorder sees, in order
+    window: int  # input batches it finishes
+    events_in: int
+    fold_level: bool
 
 
 class Sender:
@@ -177,6 +255,11 @@ class Sender:
         self._skip_pending = False
         self._level = Level.ONE_TO_ONE
         self._escalated = False  # this pressure episode is fold-only
+        # The rules on the encoded window (C, mostly without the GIL), unless the
+        # accelerator is not built or BlockMoved events are wanted (object rules only).
+        self._payload_rules = settings.compaction and not settings.move_events and accelerated()
+        self._worker: PayloadWorker | None = None  # started at the first big payload
+        self._pending: _Pending | None = None
         self._last_yield = 0.0
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
@@ -233,6 +316,8 @@ class Sender:
             self._die(exc)
         finally:
             self.alive = False
+            if self._worker is not None:
+                self._worker.stop()
             if self.replay is not None:
                 self.replay.close()
             if self.snapshot is not None:
@@ -270,6 +355,9 @@ class Sender:
             if did:
                 self._maybe_yield()
                 continue
+            if self._pending is not None:  # nothing else to do: finish the helper's window
+                self._finish_pending()
+                continue
             if (
                 self._heartbeat
                 and not self.closed
@@ -284,6 +372,7 @@ class Sender:
             self.wake_event.wait(IDLE_POLL)
             self.wake_event.clear()
             self.idle = False
+        self._finish_pending()
         self._finish_loss()
 
     def _replay_budget(self) -> int:
@@ -297,12 +386,16 @@ class Sender:
 
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
         Above it: fold and apply every rule, ``max_events_per_step`` events at
-        a time; a single batch larger than that is never run through the
-        rules, only sent (one encode: the longest GIL hold).  If a pass of
-        the rules loses ground (more events pending after it than before), or
-        more than ``fold_only_events`` are pending: fold only, in 4x larger
-        windows, which drains at encoding speed, until the backlog is back
-        under the watermark.  Past ``high_watermark`` batches in the hand-off
+        a time.  If a pass loses ground (more events pending after it than
+        before), or more than ``fold_only_events`` are pending: the fold-only
+        level, 4x larger windows, until the backlog is back under the
+        watermark.  With the C accelerator (and no ``move_events``) both
+        levels run the rules on the encoded window, mostly without the GIL,
+        so the GIL is held for folding and encoding only, and a single batch
+        larger than a window is compacted too.  Without it, the rules run on
+        the objects at the rules level only, a single oversized batch is only
+        sent (one encode: the longest GIL hold), and the fold-only level
+        drains at encoding speed.  Past ``high_watermark`` batches in the hand-off
         deque, the sender first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
         that cannot run; the event budget still counts them.  Past a budget,
@@ -348,18 +441,119 @@ class Sender:
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
+        if self._payload_rules:  # records and finishes the window itself (maybe later)
+            self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
+        else:
+            sent = self._send_object_window(window, level, step)
+            if record is not None:
+                for b in sent:
+                    record(b)
+            self.done += len(window)
+        self._in_flight = (0, 0)
+        if level == Level.RULES and backlog.pending_events >= events_before:
+            self._escalated = True  # the rules cost more than they save: fold only
+
+    def _send_payload_window(self, window: list[Any], events_in: int, fold_level: bool) -> None:
+        """Fold the window, encode it once, and run the rules on the encoded bytes.
+
+        The GIL is held for the fold and the encode, what fold-only costs.
+        The rules run in C on the payload (the same bytes the object rules
+        would send): a big one in the helper thread without the GIL, while
+        this thread goes on with the next window; a payload they decline goes
+        out as it was folded.  The window's batches reach the recorder when
+        its message is sent (the same final state as the compacted events).
+        """
+        batches, folded = window, 0
+        if len(window) > 1:
+            try:
+                batches, rep = compact(window, fold_only=True)
+            except Exception as exc:  # a value the fold cannot handle: send as given
+                self._compaction_failed(exc)
+                self._send_each(window)
+                self._finished(window, len(window))
+                return
+            folded = rep.folded
+        try:
+            payloads = [self._encoder.encode(b) for b in batches]
+        except Exception:  # the originals one by one: the bad one is lost, visibly
+            self._send_each(window)
+            self._finished(window, len(window))
+            return
+        self.totals.batches_folded += folded
+        self.totals.compaction_passes += 1
+        self.totals.fold_only_passes += fold_level
+        if len(payloads) == 1 and len(payloads[0]) >= PAYLOAD_RELEASE_AT:
+            worker = self._worker
+            if worker is None:
+                worker = self._worker = PayloadWorker()
+            self._finish_pending()  # the previous window goes out first
+            if not worker.busy:
+                worker.submit(payloads[0])
+                self._pending = _Pending(
+                    payloads[0], _n_events(batches[0]), batches, len(window), events_in, fold_level
+                )
+                return
+        self._finish_pending()
+        for b, payload in zip(batches, payloads, strict=True):
+            self._send_compacted(payload, _n_events(b), compact_payload(payload))
+        self._finished(batches, len(window))
+
+    def _send_compacted(
+        self, payload: bytes, n: int, result: tuple[bytes, int, int, int, int] | None
+    ) -> None:
+        """Send a payload as the payload rules left it (or as it was, if they declined)."""
+        t = self.totals
+        if result is not None:
+            payload, n, superseded, cancelled, merged = result
+            t.add_payload(superseded, cancelled, merged)
+            t.payload_passes += 1
+            if n == 0:
+                return  # everything cancelled: nothing to send (as compact())
+        self._emit_now(payload, n)
+
+    def _finished(self, batches: list[Any], window: int) -> None:
+        """A window's message is out: the recorder sees its batches; it is done."""
+        record = self._record
+        if record is not None:
+            for b in batches:
+                record(b)
+        self.done += window
+
+    def _finish_pending(self) -> None:
+        """Send the window the helper has been compacting (waiting for it if need be).
+        Called before anything else is sent, lost or recorded, so order is kept."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        worker = self._worker
+        assert worker is not None
+        backlog, watermark = self._backlog, self._settings.high_watermark
+        deadline = time.monotonic() + WORKER_TIMEOUT
+        result = None
+        while not worker.wait(0.001):
+            if backlog.pending > watermark:
+                backlog.stage()  # meanwhile, keep the batch budget free (as _step does)
+            if time.monotonic() > deadline:
+                break  # abandoned: it stays busy, later windows are compacted inline
+        else:
+            result = worker.take()
+        self._send_compacted(pending.payload, pending.n_events, result)
+        self._finished(pending.batches, pending.window)
+
+    def _send_object_window(self, window: list[Any], level: Level, step: int) -> list[Any]:
+        """The rules on the event objects (C or Python), then encode: the path when
+        the payload path is off.  Returns the batches the recorder must see."""
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
             level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
-            self._send_taken(window[0], self._in_flight[1])
-            if record is not None:
-                record(window[0])
-            return
+            self._send_one(window[0], self._in_flight[1])
+            return window
         sent = window
         try:
             out, rep = compact(
-                window, move_events=settings.move_events, fold_only=level == Level.FOLD_ONLY
+                window, move_events=self._settings.move_events, fold_only=level == Level.FOLD_ONLY
             )
         except Exception as exc:  # a value the rules cannot handle: send the window as given
             self._compaction_failed(exc)
@@ -368,16 +562,11 @@ class Sender:
             if self._send_all(out, window):
                 self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
                 sent = out  # the same final state as the window's, in fewer events
-        if record is not None:
-            for b in sent:
-                record(b)
-        self.done += len(window)
-        self._in_flight = (0, 0)
-        if level == Level.RULES and backlog.pending_events >= events_before:
-            self._escalated = True  # the rules cost more than they save: fold only
+        return sent
 
     def _lost(self, marker: Any) -> None:
         """A loss marker: skip a seq; the recorder still gets what was refused."""
+        self._finish_pending()  # the gap comes after the window before it
         self._skip_pending = True
         snapshot = self.snapshot
         if snapshot is not None:
@@ -444,6 +633,11 @@ class Sender:
         self._emit(payload, n_events)
 
     def _emit(self, payload: bytes, n_events: int) -> None:
+        """Send one message after the helper's window, if one is waiting."""
+        self._finish_pending()
+        self._emit_now(payload, n_events)
+
+    def _emit_now(self, payload: bytes, n_events: int) -> None:
         t = self.totals
         if self._skip_pending:
             self._skip_pending = False
@@ -483,6 +677,7 @@ class Sender:
         )
 
     def _abandon(self, why: str) -> None:
+        self._finish_pending()
         batches, events = self._backlog.drain()
         self.totals.add_abandoned(batches, events)
         self.done += batches
@@ -514,6 +709,10 @@ class Sender:
         # then it is counted twice, never zero times).
         batches, events = self._in_flight
         self._in_flight = (0, 0)
+        pending, self._pending = self._pending, None
+        if pending is not None:  # not sent: the helper's result is ignored
+            batches += pending.window
+            events += pending.events_in
         self.totals.add_abandoned(batches, events)
         self.done += batches
         try:

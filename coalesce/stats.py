@@ -54,7 +54,12 @@ class PublisherStats:
         "Compaction steps whose result was sent (every rule, or fold only)."
     )
     fold_only_passes: int = _counter(
-        "Of those, steps that only folded because the backlog outran the rules."
+        "Of those, steps at the fold-only level (4x larger windows: the backlog outran "
+        "the rules); on the payload path the rules still run there, on the bytes."
+    )
+    payload_passes: int = _counter(
+        "Of those, steps whose rules ran on the encoded window (the C payload path, "
+        "without the GIL for big windows) instead of on the event objects."
     )
     backlog_batches: int = _gauge("Batches waiting for the sender right now (staged or not).")
     backlog_events: int = _gauge(

@@ -150,7 +150,7 @@ def test_a_sender_that_dies_mid_window_counts_the_window_lost():
         with held(pub):
             for i in range(20):
                 pub.publish(KVEventBatch(float(i), [good(i + 1)]))
-            sender._emit = broken  # type: ignore[method-assign]
+            sender._emit_now = broken  # type: ignore[method-assign]
         wait_for(lambda: not pub.stats().sender_alive, what="the sender to stop")
         assert pub.flush(1.0)
         st = pub.stats()
