@@ -257,7 +257,12 @@ class Sender:
         self._escalated = False  # this pressure episode is fold-only
         # The rules on the encoded window (C, mostly without the GIL), unless the
         # accelerator is not built or BlockMoved events are wanted (object rules only).
-        self._payload_rules = settings.compaction and not settings.move_events and accelerated()
+        self._payload_rules = (
+            settings.compaction
+            and settings.payload_rules
+            and not settings.move_events
+            and accelerated()
+        )
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
         self._last_yield = 0.0
@@ -389,14 +394,15 @@ class Sender:
         a time.  If a pass loses ground (more events pending after it than
         before), or more than ``fold_only_events`` are pending: the fold-only
         level, 4x larger windows, until the backlog is back under the
-        watermark.  With the C accelerator (and no ``move_events``) both
-        levels run the rules on the encoded window, mostly without the GIL,
-        so the GIL is held for folding and encoding only, and a single batch
-        larger than a window is compacted too.  Without it, the rules run on
-        the objects at the rules level only, a single oversized batch is only
-        sent (one encode: the longest GIL hold), and the fold-only level
-        drains at encoding speed.  Past ``high_watermark`` batches in the hand-off
-        deque, the sender first moves them to its staging deque, so that the
+        watermark.  With ``payload_rules`` (and the C accelerator, and no
+        ``move_events``) both levels run the rules on the encoded window,
+        mostly without the GIL, so the GIL is held for folding and encoding
+        only, and a single batch larger than a window is compacted too.
+        Otherwise (the default) the rules run on the objects at the rules
+        level only, a single oversized batch is only sent (one encode: the
+        longest GIL hold), and the fold-only level drains at encoding speed.
+        Past ``high_watermark`` batches in the hand-off deque, the sender
+        first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
         that cannot run; the event budget still counts them.  Past a budget,
         ``publish()`` drops.

@@ -83,6 +83,10 @@ class Settings:
     """Fold and compact under backpressure; off: always 1:1 (still never blocks)."""
     move_events: bool = _knob(False, parse_flag)
     """Emit the opt-in ``BlockMoved`` event (only for subscribers that know it)."""
+    payload_rules: bool = _knob(False, parse_flag)
+    """Under backpressure, run the rules on the encoded window, in C, in a helper thread
+    without the GIL (needs the C accelerator; not with ``move_events``); off: on the
+    event objects, with the GIL, and only while the sender keeps up."""
     max_pending_events: int = _knob(2_000_000, _positive_int)
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = _knob(512, _positive_int)

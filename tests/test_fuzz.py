@@ -102,11 +102,11 @@ def marker(i: int) -> BlockStored:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(st.lists(st.lists(events, max_size=6), min_size=1, max_size=12))
-def test_whatever_is_published_goes_out_or_is_lost_visibly(batches):
+@given(st.lists(st.lists(events, max_size=6), min_size=1, max_size=12), st.booleans())
+def test_whatever_is_published_goes_out_or_is_lost_visibly(batches, payload_rules):
     ep = inproc("pub")
     with Subscriber(ep, mode="refcount") as sub:  # connected before the bind
-        pub = CoalescingPublisher(endpoint=ep, high_watermark=1)
+        pub = CoalescingPublisher(endpoint=ep, high_watermark=1, payload_rules=payload_rules)
         try:
             accepted: list[int] = []
             with held(pub):  # back to back: the sender compacts them

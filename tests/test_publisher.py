@@ -19,6 +19,7 @@ from coalesce import (
     EventBatch,
     KVEventBatch,
     PublishOutcome,
+    compactor,
 )
 from coalesce.refmodel import MODES, SubscriberModel
 from tests.conftest import decode, free_port, held, inproc, wait_for
@@ -181,10 +182,13 @@ def test_generic_event_batches_pass_untouched(pubs, make_sub):
     assert [b.events[0].value for b in got] == list(range(10))
 
 
-def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(pubs, make_sub):
+@pytest.mark.parametrize("payload_rules", [False, True])
+def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
+    pubs, make_sub, payload_rules
+):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2)
+    p = pubs(endpoint=ep, high_watermark=2, payload_rules=payload_rules)
     batches = [offload_batch(i) for i in range(300)] + [batch(AllBlocksCleared())]
     batches += [offload_batch(i) for i in range(300, 400)]
     with held(p):
@@ -196,6 +200,7 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(pubs, ma
     assert [m[1] for m in msgs] == list(range(len(msgs)))
     assert st.messages_sent < len(batches) and st.batches_folded > 0
     assert st.compaction_passes > 0 and st.batches_dropped == 0 and st.seq_gaps == 0
+    assert (st.payload_passes > 0) == (payload_rules and compactor.accelerated())
     assert st.events_sent == sum(len(decode(m[2]).events) for m in msgs)
     received = [decode(m[2]) for m in msgs]
     for mode in MODES:
@@ -227,7 +232,10 @@ def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     assert steps[-1] == 2, "the batch after the loss comes after a gap"
 
 
-def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(pubs, make_sub):
+@pytest.mark.parametrize("payload_rules", [False, True])
+def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(
+    pubs, make_sub, payload_rules
+):
     """vLLM's queue of 8 would block this engine; coalesce's batch budget of 8 must not drop.
 
     Each step publishes a batch that takes the sender longer to send than the
@@ -235,7 +243,7 @@ def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(p
     """
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, max_queue_size=8, high_watermark=1)
+    p = pubs(endpoint=ep, max_queue_size=8, high_watermark=1, payload_rules=payload_rules)
     big = [store(i, i - 1 if i else None) for i in range(10_000)]
     for step in range(40):
         assert p.publish(batch(*big, ts=float(step))) is PublishOutcome.QUEUED
@@ -296,10 +304,11 @@ def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     assert st.encode_failures == 1 and st.seq_gaps == 1
 
 
-def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub):
+@pytest.mark.parametrize("payload_rules", [False, True])
+def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub, payload_rules):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=1)
+    p = pubs(endpoint=ep, high_watermark=1, payload_rules=payload_rules)
     bad = BlockStored([2], None, [object()], 1, None, "GPU", None)  # type: ignore[list-item]
     with held(p):
         for b in (batch(store(1)), batch(bad), batch(store(3)), batch(store(4))):

@@ -356,6 +356,7 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             high_watermark=1,
             stall_timeout=0,
             hwm=hwm,
+            payload_rules=data.draw(st.booleans()),
         ) as p,
         Subscriber(ep, mode="refcount", snapshot_endpoints=snap, rcvhwm=hwm) as sub,
     ):
