@@ -119,23 +119,30 @@ static void buf_trim(Buf *b) {
     }
 }
 
-/* Empty `t` and make room for n keys at load <= 1/2.  0 on memory error. */
-static int table_init(Table *t, Py_ssize_t n) {
+/* Make room for n keys at load <= 1/2 in an open-address array of `size`-byte
+ * slots (*s, *mask), emptied in O(1) by bumping *gen (a slot whose own gen
+ * differs is free).  0 on memory error. */
+static int slots_init(void **s, size_t *mask, uint32_t *gen, size_t size, Py_ssize_t n) {
     size_t cap = 16;
     while (cap < (size_t)n * 2 + 16) cap <<= 1;
-    if (t->s == NULL || t->mask + 1 < cap) {
-        free(t->s);
-        t->s = (Slot *)calloc(cap, sizeof(Slot));
-        if (t->s == NULL) return 0;
-        t->mask = cap - 1;
-        t->gen = 1;
+    if (*s == NULL || *mask + 1 < cap) {
+        free(*s);
+        *s = calloc(cap, size);
+        if (*s == NULL) return 0;
+        *mask = cap - 1;
+        *gen = 1;
         return 1;
     }
-    if (++t->gen == 0) { /* wrapped: clear for real, once per 2**32 calls */
-        memset(t->s, 0, (t->mask + 1) * sizeof(Slot));
-        t->gen = 1;
+    if (++*gen == 0) { /* wrapped: clear for real, once per 2**32 calls */
+        memset(*s, 0, (*mask + 1) * size);
+        *gen = 1;
     }
     return 1;
+}
+
+/* Empty `t` and make room for n keys at load <= 1/2.  0 on memory error. */
+static int table_init(Table *t, Py_ssize_t n) {
+    return slots_init((void **)&t->s, &t->mask, &t->gen, sizeof(Slot), n);
 }
 
 static void table_trim(Table *t) {
@@ -341,6 +348,18 @@ static inline int atomic(PyObject *o) {
 
 static inline int list_or_none(PyObject *o) { return o == Py_None || PyList_CheckExact(o); }
 
+/* The dense index of the (medium, group) pair of ids among the window's; -1 past MAX_MG. */
+static int mg_id(Window *w, int mid, int gid) {
+    uint32_t pair = ((uint32_t)mid << 8) | (uint32_t)gid;
+    int mg = 0;
+    while (mg < w->nmg && w->mgs[mg] != pair) mg++;
+    if (mg == w->nmg) {
+        if (w->nmg == MAX_MG) return -1;
+        w->mgs[w->nmg++] = pair;
+    }
+    return mg;
+}
+
 /* Read every event of `events` into w.  1 on success, 0 to decline, -1 on error. */
 static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     Py_ssize_t n = PyList_GET_SIZE(events);
@@ -398,14 +417,8 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
         int mid = intern_id(w->mediums, &w->nmediums, medium);
         int gid = intern_id(w->groups, &w->ngroups, group);
         if (mid < 0 || gid < 0) return 0;
-        uint32_t pair = ((uint32_t)mid << 8) | (uint32_t)gid;
-        int mg = 0;
-        while (mg < w->nmg && w->mgs[mg] != pair) mg++;
-        if (mg == w->nmg) {
-            if (w->nmg == MAX_MG) return 0;
-            w->mgs[w->nmg++] = pair;
-        }
-        s->mg = mg;
+        s->mg = mg_id(w, mid, gid);
+        if (s->mg < 0) return 0;
         if (s->kind != K_STORED) continue;
         if (s->n == 0) return 0;
         PyObject *parent = FIELD(ev, ti->off_parent);
@@ -1064,21 +1077,7 @@ typedef struct {
 static RTable g_rids; /* the payload path's (g_raw's) */
 
 static int rtable_init(RTable *t, Py_ssize_t n) {
-    size_t cap = 16;
-    while (cap < (size_t)n * 2 + 16) cap <<= 1;
-    if (t->s == NULL || t->mask + 1 < cap) {
-        free(t->s);
-        t->s = (RSlot *)calloc(cap, sizeof(RSlot));
-        if (t->s == NULL) return 0;
-        t->mask = cap - 1;
-        t->gen = 1;
-        return 1;
-    }
-    if (++t->gen == 0) {
-        memset(t->s, 0, (t->mask + 1) * sizeof(RSlot));
-        t->gen = 1;
-    }
-    return 1;
+    return slots_init((void **)&t->s, &t->mask, &t->gen, sizeof(RSlot), n);
 }
 
 static inline int32_t rhash_id(RTable *t, const unsigned char *base, const HV *h, int32_t *next) {
@@ -1300,14 +1299,8 @@ static int read_payload(const unsigned char *raw, size_t len, Window *w, RInfo *
         int gid = grp == UINT32_MAX ? ri->nil_grp
                                     : intern_span(ri->grp_off, ri->grp_len, &ri->ngrp, raw, grp, grp_len);
         if (mid < 0 || gid < 0) return 0;
-        uint32_t pair = ((uint32_t)mid << 8) | (uint32_t)gid;
-        int mg = 0;
-        while (mg < w->nmg && w->mgs[mg] != pair) mg++;
-        if (mg == w->nmg) {
-            if (w->nmg == MAX_MG) return 0;
-            w->mgs[w->nmg++] = pair;
-        }
-        s->mg = mg;
+        s->mg = mg_id(w, mid, gid);
+        if (s->mg < 0) return 0;
         total += s->n + 1;
         if (kind != K_STORED) continue;
         if (!(seen & (1u << F_PARENT)) || !(seen & (1u << F_TOKENS)) || !(seen & (1u << F_BS)))

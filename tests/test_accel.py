@@ -214,16 +214,22 @@ def test_declined_windows_give_the_python_result(events: list[Any]) -> None:
     assert compactor._compact_events(list(events), False, Counter()) == expected
 
 
-def test_a_long_offload_run_is_taken_and_matches() -> None:
-    """The demo's pattern at the window size the sender uses: chains, tier moves, evictions."""
+def offload_run(n: int = 400) -> list[Any]:
+    """The demo's pattern: a GPU chain, each block past 64 evicted and offloaded to CPU."""
     events: list[Any] = []
-    for h in range(1, 400):
+    for h in range(1, n):
         events.append(BlockStored([h], h - 1 if h > 1 else None, [h] * 16, 16, None, "GPU", None))
         if h > 64:
             events.append(BlockRemoved([h - 64], "GPU"))
             events.append(
                 BlockStored([h - 64], h - 65 if h > 65 else None, [0] * 16, 16, None, "CPU", None)
             )
+    return events
+
+
+def test_a_long_offload_run_is_taken_and_matches() -> None:
+    """The demo's pattern at the window size the sender uses: chains, tier moves, evictions."""
+    events = offload_run()
     assert compactor._accelerated(list(events)) is not None
     assert_same(events)
     out, _ = compactor.compact([KVEventBatch(ts=1.0, events=events)])
