@@ -207,7 +207,6 @@ class _Pending:
     batches: list[Any]  # what the recorder sees, in order
     window: int  # input batches it finishes
     events_in: int
-    fold_level: bool
 
 
 class Sender:
@@ -431,6 +430,7 @@ class Sender:
         taken_events = backlog.events_out
         record = self._record
         if level == Level.ONE_TO_ONE:
+            self._finish_pending()  # sent and recorded before anything taken after it
             item = backlog.take_one()
             if is_loss(item):
                 self._lost(item)
@@ -475,6 +475,7 @@ class Sender:
                 batches, rep = compact(window, fold_only=True)
             except Exception as exc:  # a value the fold cannot handle: send as given
                 self._compaction_failed(exc)
+                self._finish_pending()  # first (even if nothing of this window encodes)
                 self._send_each(window)
                 self._finished(window, len(window))
                 return
@@ -482,6 +483,7 @@ class Sender:
         try:
             payloads = [self._encoder.encode(b) for b in batches]
         except Exception:  # the originals one by one: the bad one is lost, visibly
+            self._finish_pending()
             self._send_each(window)
             self._finished(window, len(window))
             return
@@ -496,7 +498,7 @@ class Sender:
             if not worker.busy:
                 worker.submit(payloads[0])
                 self._pending = _Pending(
-                    payloads[0], _n_events(batches[0]), batches, len(window), events_in, fold_level
+                    payloads[0], _n_events(batches[0]), batches, len(window), events_in
                 )
                 return
         self._finish_pending()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -18,6 +19,7 @@ from coalesce import (
     CoalescingPublisher,
     KVEventBatch,
     PublishOutcome,
+    _sender,
 )
 from coalesce.refmodel import SubscriberModel
 from coalesce.subscriber import Subscriber, decode_batch, publisher_id
@@ -343,12 +345,15 @@ def test_a_large_snapshot_is_served_while_live_traffic_flows(snap_pub):
 def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
     """Losses at random points (refused over budget, lost at encode, dropped by the
     subscriber's full queue): the subscriber heals with snapshots and ends with the
-    refcount state of everything published."""
+    refcount state of everything published.  The payload path runs off, inline, or
+    with every window in the helper thread (its size threshold lowered to 0)."""
     ep, snap = inproc("pub"), inproc("snap")
     published: list[Any] = []
     hwm = 32  # each side's queue: messages past both are dropped (the publisher never knows)
     overflowed = lost_at_encode = False
+    path = data.draw(st.sampled_from(("objects", "inline", "helper")))
     with (
+        mock.patch.object(_sender, "PAYLOAD_RELEASE_AT", 0 if path == "helper" else 1 << 40),
         CoalescingPublisher(
             endpoint=ep,
             snapshot_endpoint=snap,
@@ -356,7 +361,7 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             high_watermark=1,
             stall_timeout=0,
             hwm=hwm,
-            payload_rules=data.draw(st.booleans()),
+            payload_rules=path != "objects",
         ) as p,
         Subscriber(ep, mode="refcount", snapshot_endpoints=snap, rcvhwm=hwm) as sub,
     ):
