@@ -145,13 +145,16 @@ static int table_init(Table *t, Py_ssize_t n) {
     return slots_init((void **)&t->s, &t->mask, &t->gen, sizeof(Slot), n);
 }
 
-static void table_trim(Table *t) {
-    if ((t->mask + 1) * sizeof(Slot) > KEEP_BYTES) {
-        free(t->s);
-        t->s = NULL;
-        t->mask = 0;
+/* Free a slot array that grew past KEEP_BYTES (slots_init makes a new one). */
+static void slots_trim(void **s, size_t *mask, size_t size) {
+    if ((*mask + 1) * size > KEEP_BYTES) {
+        free(*s);
+        *s = NULL;
+        *mask = 0;
     }
 }
+
+static void table_trim(Table *t) { slots_trim((void **)&t->s, &t->mask, sizeof(Slot)); }
 
 /* The id of hash `h` (assigning the next one if new); -1 to decline the value. */
 static inline int32_t hash_id(Table *t, PyObject *h, int32_t *next) {
@@ -971,21 +974,9 @@ static int rd_skip(Rd *r, int depth) {
     return 1;
 }
 
-static inline uint64_t bytes_hash(const unsigned char *p, uint32_t n) {
-    uint64_t h = 0x9e3779b97f4a7c15ULL ^ n;
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t x;
-        memcpy(&x, p + i, 8);
-        h = mix64(h ^ x);
-    }
-    uint64_t x = 0;
-    memcpy(&x, p + i, n - i);
-    return mix64(h ^ x ^ ((uint64_t)(n - i) << 56));
-}
-
-/* A cheap running hash of a few short spans (the merge fields): one multiply per
- * 8 bytes.  Only a filter: equal signatures are compared byte by byte. */
+/* A cheap running hash of byte spans (a bin block hash; the merge fields): one
+ * multiply per 8 bytes.  Only a filter: equal values are compared byte by byte,
+ * and the table mixes it (rhash_id) before using its bits. */
 static inline uint64_t sig_add(uint64_t h, const unsigned char *p, uint32_t n) {
     uint32_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -1024,7 +1015,7 @@ static int rd_hash(Rd *r, const unsigned char *base, HV *h) {
         const unsigned char *s = r->p + 1 + w;
         h->off = (uint32_t)(s - base);
         h->len = (int32_t)n;
-        h->v = bytes_hash(s, (uint32_t)n);
+        h->v = sig_add(0, s, (uint32_t)n);
         r->p = s + n;
         return 1;
     }
@@ -1161,8 +1152,9 @@ typedef struct {
 /* Read payload[0 .. len) into w.  1 on success, 0 to decline, -1 on memory error. */
 static int read_payload(const unsigned char *raw, size_t len, Window *w, RInfo *ri) {
     State *st = w->st;
-    static TypeInfo kinds[4]; /* one pseudo-class per kind: the tag is the class */
-    for (int k = 0; k < 4; k++) kinds[k].kind = k;
+    /* one pseudo-class per kind: the tag is the class */
+    static TypeInfo kinds[4] = {{.kind = K_OPAQUE}, {.kind = K_STORED}, {.kind = K_REMOVED},
+                                {.kind = K_CLEARED}};
     Rd r = {raw, raw + len};
     uint32_t top, n;
     if (len >= ((size_t)1 << 32) || !rd_len(&r, 0, &top) || (top != 3 && top != 4)) return 0;
@@ -1557,11 +1549,7 @@ static PyObject *cc_compact_payload(PyObject *self, PyObject *args) {
                                    res.merged);
     }
     trim_all(st);
-    if ((g_rids.mask + 1) * sizeof(RSlot) > KEEP_BYTES) {
-        free(g_rids.s);
-        g_rids.s = NULL;
-        g_rids.mask = 0;
-    }
+    slots_trim((void **)&g_rids.s, &g_rids.mask, sizeof(RSlot));
     st->busy = 0;
     return result;
 }

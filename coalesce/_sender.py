@@ -407,8 +407,7 @@ class Sender:
         ``publish()`` drops.
         """
         backlog, settings = self._backlog, self._settings
-        if backlog.pending > settings.high_watermark:
-            backlog.stage()  # under pressure: free the batch budget (O(1) per batch)
+        self._stage_if_behind()
         waiting, events_before = backlog.waiting, backlog.pending_events
         level = Level.ONE_TO_ONE
         if settings.compaction and (flushing or waiting > settings.high_watermark):
@@ -459,6 +458,11 @@ class Sender:
         if level == Level.RULES and backlog.pending_events >= events_before:
             self._escalated = True  # the rules cost more than they save: fold only
 
+    def _stage_if_behind(self) -> None:
+        """Under pressure, free the batch budget (O(1) per batch staged)."""
+        if self._backlog.pending > self._settings.high_watermark:
+            self._backlog.stage()
+
     def _send_payload_window(self, window: list[Any], events_in: int, fold_level: bool) -> None:
         """Fold the window, encode it once, and run the rules on the encoded bytes.
 
@@ -475,33 +479,28 @@ class Sender:
                 batches, rep = compact(window, fold_only=True)
             except Exception as exc:  # a value the fold cannot handle: send as given
                 self._compaction_failed(exc)
-                self._finish_pending()  # first (even if nothing of this window encodes)
-                self._send_each(window)
-                self._finished(window, len(window))
+                self._send_as_given(window)
                 return
             folded = rep.folded
         try:
             payloads = [self._encoder.encode(b) for b in batches]
         except Exception:  # the originals one by one: the bad one is lost, visibly
-            self._finish_pending()
-            self._send_each(window)
-            self._finished(window, len(window))
+            self._send_as_given(window)
             return
         self.totals.batches_folded += folded
         self.totals.compaction_passes += 1
         self.totals.fold_only_passes += fold_level
+        self._finish_pending()  # the previous window goes out first
         if len(payloads) == 1 and len(payloads[0]) >= PAYLOAD_RELEASE_AT:
             worker = self._worker
             if worker is None:
                 worker = self._worker = PayloadWorker()
-            self._finish_pending()  # the previous window goes out first
             if not worker.busy:
                 worker.submit(payloads[0])
                 self._pending = _Pending(
                     payloads[0], _n_events(batches[0]), batches, len(window), events_in
                 )
                 return
-        self._finish_pending()
         for b, payload in zip(batches, payloads, strict=True):
             self._send_compacted(payload, _n_events(b), compact_payload(payload))
         self._finished(batches, len(window))
@@ -518,6 +517,13 @@ class Sender:
             if n == 0:
                 return  # everything cancelled: nothing to send (as compact())
         self._emit_now(payload, n)
+
+    def _send_as_given(self, window: list[Any]) -> None:
+        """After the helper's window, send a window batch by batch as it was given
+        (each encodes, or is lost visibly), and finish with it."""
+        self._finish_pending()  # first, even if nothing of this window encodes
+        self._send_each(window)
+        self._finished(window, len(window))
 
     def _finished(self, batches: list[Any], window: int) -> None:
         """A window's message is out: the recorder sees its batches; it is done."""
@@ -536,12 +542,10 @@ class Sender:
         self._pending = None
         worker = self._worker
         assert worker is not None
-        backlog, watermark = self._backlog, self._settings.high_watermark
         deadline = time.monotonic() + WORKER_TIMEOUT
         result = None
         while not worker.wait(0.001):
-            if backlog.pending > watermark:
-                backlog.stage()  # meanwhile, keep the batch budget free (as _step does)
+            self._stage_if_behind()  # meanwhile, keep the batch budget free (as _step does)
             if time.monotonic() > deadline:
                 break  # abandoned: it stays busy, later windows are compacted inline
         else:
