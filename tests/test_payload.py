@@ -304,3 +304,38 @@ def test_two_threads_at_once_each_get_a_whole_answer() -> None:
     assert len(answers) == 40
     assert all(a is None or a == want for a in answers)
     assert any(a is not None for a in answers)
+
+
+@pytest.mark.parametrize("tail", ["in a window", "taken 1:1"])
+def test_the_helpers_window_goes_out_before_a_later_loss(make_sub: Any, tail: str) -> None:
+    """A window in the helper thread is sent before the gap of a batch taken after
+    it that cannot be encoded: the gap follows the window on the wire, as in
+    publish order (and the recorder sees them in that order)."""
+    from unittest import mock
+
+    from coalesce import CoalescingPublisher, PublishOutcome, _sender
+    from tests.conftest import decode, held, inproc
+
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    good = [KVEventBatch(float(i), [BlockRemoved([i], "GPU")]) for i in range(4)]
+    bad = KVEventBatch(9.0, [BlockStored([9], None, [object()], 1, None, "GPU", None)])  # type: ignore[list-item]
+    after = KVEventBatch(10.0, [BlockRemoved([10], "GPU")])
+    with (
+        mock.patch.object(_sender, "PAYLOAD_RELEASE_AT", 0),  # every window to the helper
+        CoalescingPublisher(
+            endpoint=ep, high_watermark=1, max_events_per_step=4, payload_rules=True
+        ) as p,
+    ):
+        with held(p):  # the 4 good ones are one window; then the bad one
+            for b in [*good, bad, *([after] if tail == "in a window" else [])]:
+                assert p.publish(b) is PublishOutcome.QUEUED
+        assert p.flush(10)
+        if tail == "taken 1:1":
+            assert p.publish(after) is PublishOutcome.QUEUED
+            assert p.flush(10)
+        st_ = p.stats()
+        assert st_.payload_passes >= 1 and st_.encode_failures == 1 and st_.seq_gaps == 1
+    msgs = sub.recv_until_seq(2)
+    got = [([h for e in decode(m[2]).events for h in e.block_hashes], m[1]) for m in msgs]
+    assert got == [([0, 1, 2, 3], 0), ([10], 2)], "the window, then the gap, then the rest"
