@@ -10,7 +10,7 @@ import pytest
 from coalesce import BlockMoved, BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.refmodel import SubscriberModel
 from coalesce.subscriber import Subscriber, decode_batch
-from tests.conftest import free_port, held, inproc
+from tests.conftest import free_port, held, inproc, wait_for
 
 
 def store(h: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
@@ -172,6 +172,22 @@ def test_a_publisher_loss_makes_an_incomplete_replay_and_a_reset():
         pub.shutdown()
 
 
+def _bind_when_free(endpoint: str, timeout: float = 10.0) -> CoalescingPublisher:
+    """A publisher on ``endpoint`` once the old one's socket has let go of it: ZeroMQ
+    closes a socket (and unbinds its port) in its I/O thread, after close() returns."""
+    bound: list[CoalescingPublisher] = []
+
+    def bind() -> bool:
+        try:
+            bound.append(CoalescingPublisher(endpoint=endpoint))
+        except OSError:  # EADDRINUSE: not yet
+            return False
+        return True
+
+    wait_for(bind, timeout, what=f"{endpoint} to be free again")
+    return bound[0]
+
+
 def test_a_publisher_restart_resets_the_source():
     port = free_port()
     with Subscriber(f"tcp://127.0.0.1:{port}") as sub:
@@ -186,7 +202,7 @@ def test_a_publisher_restart_resets_the_source():
         finally:
             pub.shutdown()
         assert sub.sources[0].last_seq >= 100
-        pub = CoalescingPublisher(endpoint=f"tcp://*:{port}")  # a new engine: seqs from 0
+        pub = _bind_when_free(f"tcp://*:{port}")  # a new engine: seqs from 0
         after: list[Any] = []
         try:
             publish_until_heard(pub, sub, after)
