@@ -21,6 +21,7 @@ import statistics
 from dataclasses import replace
 
 from coalesce.demo import (
+    KINDS,
     PUBLISHERS,
     events_per_request,
     run_publisher,
@@ -40,7 +41,7 @@ def main() -> None:
         help="publish each step as batches of at most this many events (0: one per step)",
     )
     ap.add_argument(
-        "--only", action="append", choices=PUBLISHERS, help="run only these publishers (repeat)"
+        "--only", action="append", choices=KINDS, help="run only these publishers (repeat)"
     )
     ap.add_argument(
         "--runs",
@@ -49,7 +50,7 @@ def main() -> None:
         help="rounds per load, publishers alternated; cells show medians (counts: the worst)",
     )
     args = ap.parse_args()
-    kinds = [k for k in PUBLISHERS if not args.only or k in args.only]
+    kinds = [k for k in KINDS if (k in PUBLISHERS and not args.only) or k in (args.only or ())]
     base = replace(
         WorkloadConfig(),
         ranks=1,

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from coalesce.demo import PUBLISHERS, QUEUE, run_demo
+from coalesce.demo import KINDS, PUBLISHERS, QUEUE, run_demo
 from coalesce.workload import WorkloadConfig
 
 DESCRIPTION = "kv-coalesce: the seed-scenario demo, and a subscriber for KV-event streams."
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="use --burst-requests as given (no measurement)",
     )
     d.add_argument("--out", default="results", help="where demo.json and demo.png go")
-    d.add_argument("--only", choices=PUBLISHERS, action="append", help="run only these")
+    d.add_argument("--only", choices=KINDS, action="append", help="run only these")
     s = sub.add_parser(
         "subscribe",
         help="follow publishers: live counters, or JSON lines",

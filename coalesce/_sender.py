@@ -27,10 +27,11 @@ from typing import Any
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
+from coalesce._coalescer import AS_IS, COMPACT, GAP, CoalescerProcess
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import SnapshotService
-from coalesce._wire import Encoder, send_message
+from coalesce._wire import Encoder, open_sockets, send_message
 from coalesce.compactor import PAYLOAD_RELEASE_AT, accelerated, compact, compact_payload, rule_stats
 
 __all__ = ["Level", "PayloadWorker", "Sender"]
@@ -46,6 +47,10 @@ batch may wait up to this long (CPython's own switch interval) before it is sent
 HEARTBEAT = 1.0
 """Seconds of silence after which a publisher with snapshots on sends an empty batch
 (it takes a seq, so a subscriber sees a lost tail within a second; PR #57789)."""
+
+PIPE_TIMEOUT = 10.0
+"""Seconds the sender waits for room in a coalescer process's pipe before it stops
+that process and publishes from the engine's process itself."""
 
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
@@ -215,7 +220,7 @@ class Sender:
     def __init__(
         self,
         *,
-        pub: zmq.Socket[bytes],
+        pub: zmq.Socket[bytes] | None,
         router: zmq.Socket[bytes] | None,
         topic: bytes,
         rank: int,
@@ -224,8 +229,12 @@ class Sender:
         settings: Settings,
         snapshot: SnapshotService | None = None,
         publisher_id: bytes | None = None,
+        link: CoalescerProcess | None = None,
     ) -> None:
         self._pub = pub
+        self._link = link
+        """The coalescer process that sends for this one (``coalescer="process"``), until
+        it fails: then this thread binds the endpoints and sends itself."""
         self._router = router
         self._topic = topic
         self._rank = rank
@@ -261,6 +270,7 @@ class Sender:
             and settings.payload_rules
             and not settings.move_events
             and accelerated()
+            and link is None
         )
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
@@ -326,21 +336,25 @@ class Sender:
                 self.replay.close()
             if self.snapshot is not None:
                 self.snapshot.close()
+            if self._link is not None:  # it sends what it has, then exits
+                self._link.stop(self._settings.shutdown_timeout)
             # What was sent must still reach subscribers: a linger, not 0 (which would
             # discard queued messages: a loss with no gap).  close() does not wait for
             # it; ZeroMQ's I/O thread delivers in the background.
-            self._pub.close(linger=int(self._settings.shutdown_timeout * 1000))
+            if self._pub is not None:
+                self._pub.close(linger=int(self._settings.shutdown_timeout * 1000))
             if self._router is not None:
                 self._router.close(linger=0)
 
     def _loop(self) -> None:
-        backlog, replay, snapshot = self._backlog, self.replay, self.snapshot
+        backlog, snapshot = self._backlog, self.snapshot
         deadline: float | None = None
         while True:
             gate = self._gate
             if gate is not None:  # held by a test (hold()); one read otherwise
                 self._parked.set()
                 gate.wait()
+            replay = self.replay  # a fallback from a coalescer process may start one
             did = replay.step(self._replay_budget()) if replay is not None else False
             if snapshot is not None and snapshot.step(self._covered_seq):
                 did = True
@@ -361,6 +375,9 @@ class Sender:
                 continue
             if self._pending is not None:  # nothing else to do: finish the helper's window
                 self._finish_pending()
+                continue
+            if self._link is not None and not self._link.alive():
+                self._fall_back()
                 continue
             if (
                 self._heartbeat
@@ -446,7 +463,7 @@ class Sender:
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
-        if self._payload_rules:  # records and finishes the window itself (maybe later)
+        if self._payload_rules or self._link is not None:  # records and finishes it itself
             self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
         else:
             sent = self._send_object_window(window, level, step)
@@ -490,6 +507,11 @@ class Sender:
         self.totals.batches_folded += folded
         self.totals.compaction_passes += 1
         self.totals.fold_only_passes += fold_level
+        if self._link is not None:  # the coalescer process runs the rules
+            for b, payload in zip(batches, payloads, strict=True):
+                self._emit_now(payload, _n_events(b), COMPACT)
+            self._finished(batches, len(window))
+            return
         self._finish_pending()  # the previous window goes out first
         if len(payloads) == 1 and len(payloads[0]) >= PAYLOAD_RELEASE_AT:
             worker = self._worker
@@ -649,7 +671,12 @@ class Sender:
         self._finish_pending()
         self._emit_now(payload, n_events)
 
-    def _emit_now(self, payload: bytes, n_events: int) -> None:
+    def _emit_now(self, payload: bytes, n_events: int, kind: int = AS_IS) -> None:
+        """Send one message: here, or through the coalescer process (``kind`` says
+        whether it runs the rules on it)."""
+        link = self._link
+        if link is not None and self._push(link, kind, n_events, payload):
+            return
         t = self.totals
         if self._skip_pending:
             self._skip_pending = False
@@ -657,6 +684,7 @@ class Sender:
             t.seq_gaps += 1
         seq = self._seq
         self._seq += 1
+        assert self._pub is not None  # no coalescer process: this thread's own socket
         send_message(self._pub, self._topic, seq, payload)
         self._buffer.append(seq, payload)
         if self._heartbeat:
@@ -664,6 +692,91 @@ class Sender:
         t.messages_sent += 1
         t.events_sent += n_events
         t.bytes_sent += len(payload)
+
+    # -- the coalescer process ---------------------------------------------------
+
+    def _push(self, link: CoalescerProcess, kind: int, n_events: int, payload: bytes) -> bool:
+        """Hand a message to the coalescer process (after a gap marker if a loss is
+        pending).  While its pipe is full, wait (GIL released) in 1 ms slices, keeping
+        the batch budget free; False if the process has gone or stays stuck for
+        PIPE_TIMEOUT seconds: then this thread sends from now on (after a gap)."""
+        if self._skip_pending:
+            if not self._push_one(link, GAP, 0, None):
+                return False
+            self._skip_pending = False
+        return self._push_one(link, kind, n_events, payload)
+
+    def _push_one(
+        self, link: CoalescerProcess, kind: int, n_events: int, payload: bytes | None
+    ) -> bool:
+        deadline = 0.0
+        while not link.push(kind, n_events, payload):
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + PIPE_TIMEOUT
+            if not link.alive():
+                self._fall_back()
+                return False
+            if now > deadline:
+                self._fall_back(f"took nothing from its pipe for {PIPE_TIMEOUT:g} s: killed")
+                return False
+            self._stage_if_behind()
+            link.wait_writable(0.001)
+        return True
+
+    def _fall_back(self, why: str = "") -> None:
+        """The coalescer process has failed: bind its endpoints here and send on
+        after its last seq, with a gap (what was in its pipe, or being compacted,
+        is lost; so is its replay buffer)."""
+        link = self._link
+        assert link is not None
+        last = link.dead()
+        self.totals.messages_sent = last["messages_sent"]
+        self.totals.events_sent = last["events_sent"]
+        self.totals.bytes_sent = last["bytes_sent"]
+        self.totals.seq_gaps = last["seq_gaps"]
+        self._seq = last["next_seq"]
+        self._skip_pending = True
+        log.error(
+            "kv-coalesce: the coalescer process (pid %d) %s; the sender thread publishes "
+            "on %s itself from now on, after a sequence gap",
+            link.pid,
+            why or f"exited with code {link.returncode}",
+            link.endpoint,
+        )
+        self._link = None
+        socks = open_sockets(
+            link.endpoint,
+            link.replay_endpoint,
+            None,
+            hwm=link.hwm,
+            replay_window=self._settings.replay_window,
+        )
+        self._pub, self._router = socks.pub, socks.router
+        if socks.router is not None:
+            self.replay = ReplayService(
+                socks.router,
+                self._buffer,
+                self._topic,
+                max_active=self._settings.replay_max_active,
+                max_clients=self._settings.replay_max_clients,
+            )
+
+    def published(self) -> dict[str, Any]:
+        """The counters that are ``PublisherStats`` fields (the coalescer process's for
+        what it does, while there is one).  O(1)."""
+        out = self.totals.published()
+        replay = self.replay
+        out.update(replay.published() if replay is not None else ReplayService.NOTHING)
+        link = self._link
+        if link is not None:
+            out.update(link.published())
+        return out
+
+    def drained(self) -> bool:
+        """Everything handed to a coalescer process has been taken by it."""
+        link = self._link
+        return link is None or link.drained()
 
     # -- losses ------------------------------------------------------------------
 

@@ -69,6 +69,13 @@ def _endpoint(raw: Any) -> str | None:
     return raw.strip() or None
 
 
+def _coalescer(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("thread", "process"):
+        raise ValueError("expected thread or process")
+    return text
+
+
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -87,6 +94,10 @@ class Settings:
     """Under backpressure, run the rules on the encoded window, in C, in a helper thread
     without the GIL (needs the C accelerator; not with ``move_events``); off: on the
     event objects, with the GIL, and only while the sender keeps up."""
+    coalescer: str = _knob("thread", _coalescer)
+    """Where the compaction rules, the PUB socket and the replay buffer live: ``thread``,
+    the sender thread in the engine's process; ``process``, a coalescer process of
+    their own (the engine's process only encodes; tcp and ipc endpoints, no snapshots)."""
     max_pending_events: int = _knob(2_000_000, _positive_int)
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = _knob(512, _positive_int)

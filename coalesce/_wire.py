@@ -9,12 +9,15 @@ builds an IntFlag per frame, which costs more than the send itself
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
 import zmq
 
-__all__ = ["END_SEQ", "Encoder", "read_requests", "send_message"]
+from coalesce._settings import is_bind_endpoint
+
+__all__ = ["END_SEQ", "Encoder", "Sockets", "open_sockets", "read_requests", "send_message"]
 
 _MORE = int(zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
@@ -46,6 +49,74 @@ class Encoder:
         if self._id is None:
             raise ValueError("encode_with_id needs an Encoder with a publisher_id")
         return self._enc.encode((ts, events, rank, self._id))
+
+
+@dataclass(slots=True)
+class Sockets:
+    """A publisher's sockets and the endpoints they ended up on (a tcp port 0 resolved)."""
+
+    pub: zmq.Socket[bytes]
+    endpoint: str
+    router: zmq.Socket[bytes] | None = None
+    replay_endpoint: str | None = None
+    snapshot: zmq.Socket[bytes] | None = None
+    snapshot_endpoint: str | None = None
+
+    def close(self, linger: int = 0) -> None:
+        for sock in (self.pub, self.router, self.snapshot):
+            if sock is not None:
+                sock.close(linger=linger)
+
+
+def open_sockets(
+    endpoint: str,
+    replay_endpoint: str | None,
+    snapshot_endpoint: str | None,
+    *,
+    hwm: int,
+    replay_window: int,
+) -> Sockets:
+    """Create and bind (or connect) a publisher's PUB, replay ROUTER and snapshot ROUTER.
+
+    vLLM's rules: the PUB binds wildcard, ipc and inproc endpoints and
+    connects to the rest; the ROUTERs always bind.  Raises ``ValueError`` for
+    an endpoint ZeroMQ cannot parse and ``OSError`` when one cannot be bound
+    or connected (nothing is left open then).
+    """
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    socks = Sockets(pub=ctx.socket(zmq.PUB), endpoint=endpoint)
+    try:
+        socks.pub.set_hwm(hwm)
+        socks.endpoint = _attach(socks.pub, endpoint, bind=is_bind_endpoint(endpoint))
+        if replay_endpoint is not None:
+            socks.router = ctx.socket(zmq.ROUTER)
+            socks.router.setsockopt(zmq.SNDHWM, replay_window)
+            socks.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            socks.replay_endpoint = _attach(socks.router, replay_endpoint, bind=True)
+        if snapshot_endpoint is not None:
+            socks.snapshot = ctx.socket(zmq.ROUTER)
+            socks.snapshot.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            socks.snapshot_endpoint = _attach(socks.snapshot, snapshot_endpoint, bind=True)
+    except BaseException:
+        socks.close()
+        raise
+    return socks
+
+
+def _attach(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool) -> str:
+    try:
+        if not bind:
+            sock.connect(endpoint)
+            return endpoint
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        verb = "bind" if bind else "connect"
+        if exc.errno in (zmq.EINVAL, zmq.EPROTONOSUPPORT):
+            raise ValueError(f"cannot {verb} {endpoint!r}: {exc}") from exc
+        raise OSError(exc.errno, f"cannot {verb} {endpoint!r}: {exc}") from exc
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    return endpoint
 
 
 def send_message(sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes) -> None:

@@ -30,14 +30,15 @@ from dataclasses import asdict
 from typing import Any
 
 import msgspec
-import zmq
 
 from coalesce._backlog import Backlog
+from coalesce._coalescer import CoalescerProcess
 from coalesce._recorder import new_recorder
-from coalesce._replay import ReplayBuffer, ReplayService
+from coalesce._replay import ReplayBuffer
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
 from coalesce._snapshot import SnapshotService
+from coalesce._wire import Sockets, open_sockets
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -90,6 +91,23 @@ def _log_start(endpoint: str, replay: str | None, snapshot: str | None, pid: byt
             endpoint,
             port,
         )
+
+
+def _process_supported(
+    endpoint: str, replay: str | None, snapshot: str | None, settings: Settings
+) -> bool:
+    """Whether ``coalescer="process"`` can serve these endpoints; says why not if not."""
+    why = None
+    if any(ep is not None and ep.startswith("inproc://") for ep in (endpoint, replay)):
+        why = "inproc endpoints live in one process"
+    elif snapshot is not None:
+        why = "snapshots are recorded in the engine's process"
+    elif settings.move_events:
+        why = "BlockMoved events come from the rules on the event objects"
+    if why is None:
+        return True
+    log.warning("kv-coalesce: coalescer=process is not available (%s): using a thread", why)
+    return False
 
 
 def _collected(sender: Sender) -> None:
@@ -165,28 +183,33 @@ class CoalescingPublisher:
         if not pub_ep:
             raise ValueError(f"endpoint must be a ZeroMQ endpoint, got {endpoint!r}")
 
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        pub: zmq.Socket[bytes] = ctx.socket(zmq.PUB)
-        router: zmq.Socket[bytes] | None = None
-        snap_sock: zmq.Socket[bytes] | None = None
-        try:
-            pub.set_hwm(hwm)
-            pub_ep = self._attach(pub, pub_ep, bind=is_bind_endpoint(pub_ep))
-            if replay_ep is not None:
-                router = ctx.socket(zmq.ROUTER)
-                router.setsockopt(zmq.SNDHWM, self.settings.replay_window)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                replay_ep = self._attach(router, replay_ep, bind=True)
-            if snap_ep is not None:
-                snap_sock = ctx.socket(zmq.ROUTER)
-                snap_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                snap_ep = self._attach(snap_sock, snap_ep, bind=True)
-        except BaseException:
-            for sock in (pub, router, snap_sock):
-                if sock is not None:
-                    sock.close(linger=0)
-            raise
+        link: CoalescerProcess | None = None
+        socks: Sockets | None = None
+        if self.settings.coalescer == "process" and _process_supported(
+            pub_ep, replay_ep, snap_ep, self.settings
+        ):
+            link = CoalescerProcess(
+                endpoint=pub_ep,
+                replay_endpoint=replay_ep,
+                topic=topic_b,
+                hwm=hwm,
+                buffer_steps=buffer_steps,
+                options={
+                    "shutdown_timeout": self.settings.shutdown_timeout,
+                    "replay_window": self.settings.replay_window,
+                    "replay_max_active": self.settings.replay_max_active,
+                    "replay_max_clients": self.settings.replay_max_clients,
+                },
+            )
+            pub_ep, replay_ep = link.endpoint, link.replay_endpoint
+        else:
+            socks = open_sockets(
+                pub_ep, replay_ep, snap_ep, hwm=hwm, replay_window=self.settings.replay_window
+            )
+            pub_ep, replay_ep = socks.endpoint, socks.replay_endpoint
+            snap_ep = socks.snapshot_endpoint
 
+        snap_sock = None if socks is None else socks.snapshot
         # 16 bytes that change only when the publisher restarts (PR #57789)
         self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
         self.snapshot_endpoint = snap_ep
@@ -207,11 +230,11 @@ class CoalescingPublisher:
             batch_budget,
             self.settings.max_pending_events,
             self.settings.stall_timeout,
-            record_events=0 if snap_sock is None else 2 * self.settings.max_pending_events,
+            record_events=0 if snap_ep is None else 2 * self.settings.max_pending_events,
         )
         snapshot = None
-        if snap_sock is not None:
-            assert self.publisher_id is not None
+        if snap_ep is not None:
+            assert self.publisher_id is not None and snap_sock is not None
             snapshot = SnapshotService(
                 snap_sock,
                 new_recorder(self.settings.snapshot_max_blocks),
@@ -222,8 +245,8 @@ class CoalescingPublisher:
             )
         self._batch_types: set[type] = set()
         self._sender = Sender(
-            pub=pub,
-            router=router,
+            pub=None if socks is None else socks.pub,
+            router=None if socks is None else socks.router,
             topic=topic_b,
             rank=data_parallel_rank,
             backlog=self._backlog,
@@ -231,6 +254,7 @@ class CoalescingPublisher:
             settings=self.settings,
             snapshot=snapshot,
             publisher_id=self.publisher_id,
+            link=link,
         )
         # publish() wakes an idle sender past either of these
         self._wake_at = self.settings.high_watermark
@@ -242,22 +266,6 @@ class CoalescingPublisher:
         self._sender.start()
 
     # -- setup -----------------------------------------------------------------
-
-    @staticmethod
-    def _attach(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool) -> str:
-        try:
-            if not bind:
-                sock.connect(endpoint)
-                return endpoint
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            verb = "bind" if bind else "connect"
-            if exc.errno in (zmq.EINVAL, zmq.EPROTONOSUPPORT):
-                raise ValueError(f"cannot {verb} {endpoint!r}: {exc}") from exc
-            raise OSError(exc.errno, f"cannot {verb} {endpoint!r}: {exc}") from exc
-        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-            return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        return endpoint
 
     @property
     def data_parallel_rank(self) -> int:
@@ -335,7 +343,7 @@ class CoalescingPublisher:
     def stats(self) -> PublisherStats:
         """A frozen snapshot of the counters.  O(1); safe from any thread."""
         b, s = self._backlog, self._sender
-        t, r = s.totals, s.replay
+        t = s.totals
         return PublisherStats(
             batches_in=b.batches_in,
             events_in=b.events_in,
@@ -346,8 +354,7 @@ class CoalescingPublisher:
             backlog_peak=b.peak,
             sender_alive=s.alive,
             compactor_accelerated=accelerated(),
-            **t.published(),
-            **(r.published() if r is not None else ReplayService.NOTHING),
+            **s.published(),
             **(s.snapshot.published() if s.snapshot is not None else SnapshotService.NOTHING),
         )
 
@@ -378,7 +385,7 @@ class CoalescingPublisher:
         target = self._backlog.batches_in
         deadline = time.monotonic() + timeout
         sender = self._sender
-        while sender.done < target:
+        while sender.done < target or not sender.drained():
             if time.monotonic() >= deadline or not sender.thread.is_alive():
                 return False
             time.sleep(0.001)

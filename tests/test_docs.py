@@ -57,6 +57,8 @@ def test_the_knobs_table_lists_every_knob_with_its_variable_and_default() -> Non
         value = getattr(defaults, f.name)
         if value is None:
             shown = "none"
+        elif isinstance(value, str):
+            shown = value
         else:
             shown = str(int(value)) if isinstance(value, bool) else f"{value:,}"
         assert f.name in rows, f"{f.name} is missing from docs/backpressure.md"
