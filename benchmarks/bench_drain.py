@@ -7,8 +7,13 @@ events, as bench_publish builds them) and many small ones (about 20 events:
 "thousands of EventBatch objects in one shot" in the upstream report).  A
 real SUB socket is connected and read by a thread, so sends cost what they
 cost with a subscriber.  Publishers alternate; medians of ``--repeats`` runs.
-``coalesce, payload rules`` is coalesce with the opt-in ``payload_rules``;
-wire bytes are over what encoding every batch gives.
+``coalesce, payload rules`` is coalesce with the opt-in ``payload_rules``,
+``coalesce, process`` with the opt-in ``coalescer="process"``; wire bytes are
+over what encoding every batch gives; CPU is the engine's process's (every
+thread; the reader is a process of its own), and a coalescer process's
+apart; "raw encode" is the CPU of encoding every batch once, in the same
+run.  Every publisher binds tcp loopback (a coalescer process cannot serve
+inproc), and the reader is connected before the clock starts.
 
     .venv-vllm/bin/python benchmarks/bench_drain.py   # against the real vLLM class
 """
@@ -16,12 +21,14 @@ wire bytes are over what encoding every batch gives.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import platform
+import socket
 import statistics
 import sys
-import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,50 +40,75 @@ from bench_publish import make_batch
 from coalesce import CoalescingPublisher
 from coalesce._baselines import REAL_VLLM, StockPublisher
 
-_n = [0]
 PAYLOAD = "coalesce, payload rules"
+PROCESS = "coalesce, process"
 _ENC = msgspec.msgpack.Encoder()
 
 
-def _reader(endpoint: str, stop: threading.Event) -> threading.Thread:
-    """A SUB that reads and discards, so the PUB has a real peer."""
+def _read(endpoint: str, ready: Any, stop: Any) -> None:
+    """A SUB that reads and discards (in its own process, so that its CPU is not the
+    engine process's), so the PUB has a real peer."""
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(endpoint)
-
-    def run() -> None:
-        while not stop.is_set():
-            if sub.poll(20):
-                while True:
-                    try:
-                        sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-        sub.close(linger=0)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    ready.set()
+    while not stop.is_set():
+        if sub.poll(20):
+            while True:
+                try:
+                    sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+    sub.close(linger=0)
 
 
-def drain_once(kind: str, batches: list[Any]) -> tuple[float, float]:
-    """Seconds from the first publish() until every batch has left the sender, and
-    the payload bytes sent (stock: those of encoding every batch)."""
-    _n[0] += 1
-    endpoint = f"inproc://drain-{os.getpid()}-{_n[0]}"
-    stop = threading.Event()
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of another process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Drain:
+    seconds: float
+    wire_bytes: float
+    cpu: float  # the engine's process, every thread
+    helper_cpu: float  # a coalescer process's
+
+
+def drain_once(kind: str, batches: list[Any]) -> Drain:
+    """Seconds from the first publish() until every batch has left the sender, the
+    payload bytes sent (stock: those of encoding every batch), and the CPU spent."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://*:{port}"
+    mp = multiprocessing.get_context("spawn")
+    ready, stop = mp.Event(), mp.Event()
     big = 10 * len(batches)
     pub: Any
     if kind == "stock":
         pub = StockPublisher(0, endpoint=endpoint, max_queue_size=big, hwm=0)
     else:
         pub = CoalescingPublisher(
-            0, endpoint=endpoint, max_queue_size=big, hwm=0, payload_rules=kind == PAYLOAD
+            0,
+            endpoint=endpoint,
+            max_queue_size=big,
+            hwm=0,
+            payload_rules=kind == PAYLOAD,
+            coalescer="process" if kind == PROCESS else "thread",
         )
-    reader = _reader(endpoint, stop)
+    link = getattr(getattr(pub, "_sender", None), "_link", None)
+    reader = mp.Process(target=_read, args=(f"tcp://127.0.0.1:{port}", ready, stop))
+    reader.start()
+    ready.wait(30)
+    time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
     for b in batches:
         b.data_parallel_rank = None
+    helper0 = _cpu_of(link.pid) if link is not None else 0.0
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     for b in batches:
         pub.publish(b)
@@ -86,6 +118,8 @@ def drain_once(kind: str, batches: list[Any]) -> tuple[float, float]:
     else:
         assert pub.flush(120)
     dt = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    helper = _cpu_of(link.pid) - helper0 if link is not None else 0.0
     if kind != "stock":
         st = pub.stats()
         assert st.batches_dropped == 0
@@ -94,8 +128,8 @@ def drain_once(kind: str, batches: list[Any]) -> tuple[float, float]:
         nbytes = float(sum(len(_ENC.encode(b)) for b in batches))
     pub.shutdown()
     stop.set()
-    reader.join(5)
-    return dt, nbytes
+    reader.join(10)
+    return Drain(dt, nbytes, cpu, helper)
 
 
 def main() -> None:
@@ -109,27 +143,39 @@ def main() -> None:
         f"{args.repeats} alternating runs\n"
     )
     print(
-        "| workload | batches | events | stock Mev/s | coalesce Mev/s | coalesce / stock "
-        "| payload rules / stock | wire bytes | payload rules' wire bytes |"
+        "| workload | batches | events | stock Mev/s | coalesce / stock | payload rules / stock "
+        "| process / stock | wire bytes: coalesce | payload rules | process "
+        "| engine CPU/event vs stock: coalesce | payload rules | process "
+        "| process: its coalescer's CPU/event vs stock | process: engine CPU vs raw encode |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    kinds = ("stock", "coalesce", PAYLOAD, PROCESS)
     for name, blocks, n in (("big (~110 events)", 37, 4000), ("small (~20 events)", 7, 20000)):
         batches = [make_batch(i, blocks) for i in range(n)]
         events = sum(len(b.events) for b in batches)
-        kinds = ("stock", "coalesce", PAYLOAD)
-        runs: dict[str, list[float]] = {k: [] for k in kinds}
-        wire: dict[str, float] = {}
+        runs: dict[str, list[Drain]] = {k: [] for k in kinds}
+        encode: list[float] = []  # CPU seconds to encode every batch once, as it is
         for _ in range(args.repeats):
-            for kind in runs:
-                dt, nbytes = drain_once(kind, batches)
-                runs[kind].append(dt)
-                wire[kind] = nbytes
-        rate = {k: events / statistics.median(v) / 1e6 for k, v in runs.items()}
-        stock, ours, pay = rate["stock"], rate["coalesce"], rate[PAYLOAD]
+            for kind in kinds:
+                runs[kind].append(drain_once(kind, batches))
+            t0 = time.process_time()
+            for b in batches:
+                _ENC.encode(b)
+            encode.append(time.process_time() - t0)
+
+        def med(kind: str, what: str, runs: dict[str, list[Drain]] = runs) -> float:
+            return statistics.median(getattr(d, what) for d in runs[kind])
+
+        rate = {k: events / med(k, "seconds") / 1e6 for k in kinds}
+        cpu = {k: med(k, "cpu") / med("stock", "cpu") for k in kinds}
+        wire = {k: runs[k][-1].wire_bytes / runs["stock"][-1].wire_bytes for k in kinds}
+        helper = med(PROCESS, "helper_cpu") / med("stock", "cpu")
+        cells = [f"{rate[k] / rate['stock']:.2f}" for k in kinds[1:]]
+        cells += [f"{wire[k]:.2f}" for k in kinds[1:]]
+        cells += [f"{cpu[k]:.2f}" for k in kinds[1:]]
         print(
-            f"| {name} | {n:,} | {events:,} | {stock:.2f} | {ours:.2f} | {ours / stock:.2f} "
-            f"| {pay / stock:.2f} | {wire['coalesce'] / wire['stock']:.2f} "
-            f"| {wire[PAYLOAD] / wire['stock']:.2f} |",
+            f"| {name} | {n:,} | {events:,} | {rate['stock']:.2f} | {' | '.join(cells)} "
+            f"| {helper:.2f} | {med(PROCESS, 'cpu') / statistics.median(encode):.2f} |",
             flush=True,
         )
 
