@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -54,8 +55,9 @@ log = logging.getLogger("coalesce")
 AS_IS, COMPACT, GAP, STOP = 0, 1, 2, 3
 """Pipe message kinds: send as it is; run the payload rules first; skip a seq; stop."""
 
-PIPE_HWM = 64
-"""Messages the pipe queues on each side (so at most twice this many are in flight)."""
+PIPE_HWM = 16
+"""Messages the pipe queues on each side (so at most twice this many are in flight,
+plus what the kernel's socket buffer holds)."""
 
 START_TIMEOUT = 30.0
 """Seconds the constructor waits for the process to bind its endpoints."""
@@ -90,6 +92,7 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NO_RELEASE = 1 << 62  # nothing else here needs the GIL: the rules keep it
 _IDLE_MS = 100
+_PASS = 64  # pipe messages per pass, between replay slices
 _BOOT = "import sys; from coalesce._coalescer import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -219,20 +222,21 @@ class CoalescerProcess:
         return self.counters()["received"] >= self.pushed
 
     def stop(self, timeout: float) -> None:
-        """Ask the process to send what it has and exit; kill it after ``timeout``
-        seconds (plus its linger).  Idempotent."""
+        """Ask the process to send what it has and exit (its PUB lingers ``timeout``
+        seconds for slow subscribers, as the sender's does); kill it if it has not
+        exited ``timeout + 1`` seconds from now.  Idempotent."""
         proc = self._proc
         if proc is None:
             return
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + 1.0
         while proc.poll() is None and not self.push(STOP):
             if time.monotonic() > deadline:
                 break
             self.wait_writable(0.01)
         try:
-            proc.wait(timeout + 1.0 + timeout)  # its flush, then its PUB's linger
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.error("kv-coalesce: the coalescer process did not stop; killed")
+            log.error("kv-coalesce: the coalescer process did not stop in time; killed")
         self._cleanup(kill=True)
 
     def dead(self) -> dict[str, int]:
@@ -261,7 +265,7 @@ class CoalescerProcess:
 class Coalescer:
     """The process's loop: take from the pipe, compact what is marked, send, replay.
 
-    Each pass takes at most ``PIPE_HWM`` messages, then serves one replay
+    Each pass takes at most 64 messages, then serves one replay
     slice, so replay clients and the live stream share the process fairly.
     Single-threaded; O(payload bytes) per message.
     """
@@ -312,7 +316,7 @@ class Coalescer:
         try:
             while True:
                 did = False
-                for _ in range(PIPE_HWM):
+                for _ in range(_PASS):
                     if not cast(int, pipe.getsockopt(zmq.EVENTS)) & _POLLIN:
                         break
                     if not self._take():
@@ -381,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The process's entry point, started by :class:`CoalescerProcess` with its spec."""
     args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(message)s")
+    # Ctrl-C reaches the whole process group: the engine's process decides when this
+    # one stops (STOP, or its exit), so that nothing it has handed over is lost first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(args[0])
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pipe = ctx.socket(zmq.PAIR)

@@ -709,16 +709,19 @@ class Sender:
     def _push_one(
         self, link: CoalescerProcess, kind: int, n_events: int, payload: bytes | None
     ) -> bool:
-        deadline = 0.0
+        deadline = wait = 0.0
         while not link.push(kind, n_events, payload):
             now = time.monotonic()
-            if not deadline:
-                deadline = now + PIPE_TIMEOUT
+            if not deadline:  # shutting down: no longer than the flush may take
+                wait = PIPE_TIMEOUT
+                if self.closed:
+                    wait = min(wait, self._settings.shutdown_timeout)
+                deadline = now + wait
             if not link.alive():
                 self._fall_back()
                 return False
             if now > deadline:
-                self._fall_back(f"took nothing from its pipe for {PIPE_TIMEOUT:g} s: killed")
+                self._fall_back(f"took nothing from its pipe for {wait:g} s: killed")
                 return False
             self._stage_if_behind()
             link.wait_writable(0.001)

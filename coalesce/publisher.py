@@ -110,6 +110,18 @@ def _process_supported(
     return False
 
 
+def _start_coalescer(**kw: Any) -> CoalescerProcess | None:
+    """Start a coalescer process; None (publish from a thread) if it cannot start.
+
+    An endpoint it cannot bind raises, as the publisher's own binding would.
+    """
+    try:
+        return CoalescerProcess(**kw)
+    except RuntimeError as exc:  # it could not run at all: the engine must not notice
+        log.error("kv-coalesce: %s: publishing from a thread instead", exc)
+        return None
+
+
 def _collected(sender: Sender) -> None:
     """The finaliser of a publisher dropped without ``shutdown()``: stop its thread."""
     if sender.alive and not sender.closed:
@@ -188,7 +200,7 @@ class CoalescingPublisher:
         if self.settings.coalescer == "process" and _process_supported(
             pub_ep, replay_ep, snap_ep, self.settings
         ):
-            link = CoalescerProcess(
+            link = _start_coalescer(
                 endpoint=pub_ep,
                 replay_endpoint=replay_ep,
                 topic=topic_b,
@@ -201,6 +213,7 @@ class CoalescingPublisher:
                     "replay_max_clients": self.settings.replay_max_clients,
                 },
             )
+        if link is not None:
             pub_ep, replay_ep = link.endpoint, link.replay_endpoint
         else:
             socks = open_sockets(
@@ -406,7 +419,8 @@ class CoalescingPublisher:
             self._closed = True
         self._finalizer.detach()
         sender.request_stop()
-        sender.thread.join(self.settings.shutdown_timeout + 1.0)
+        # its flush, then (coalescer="process") that process's own flush and exit
+        sender.thread.join(2 * self.settings.shutdown_timeout + 2.0)
         if sender.thread.is_alive():  # pragma: no cover - the sender checks its deadline
             log.error("kv-coalesce: sender thread did not stop; sockets left to it")
             return

@@ -19,6 +19,8 @@ from unittest import mock
 import msgspec
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coalesce import (
     AllBlocksCleared,
@@ -27,12 +29,14 @@ from coalesce import (
     CoalescingPublisher,
     KVEventBatch,
     PublishOutcome,
+    _coalescer,
     _sender,
     compactor,
 )
 from coalesce._settings import Settings
 from coalesce.refmodel import MODES, SubscriberModel
 from tests.conftest import Sub, decode, free_port, held, inproc, wait_for
+from tests.streams import batch_lists
 
 
 def store(h: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
@@ -255,3 +259,68 @@ def test_the_coalescer_exits_when_the_engine_process_dies():
     )
     pid = int(out.stdout.split()[0])
     wait_for(lambda: gone(pid), what="the orphaned coalescer process to exit")
+
+
+def test_a_coalescer_that_cannot_start_leaves_a_thread_publishing(caplog, make_sub):
+    port = free_port()
+    with (
+        mock.patch.object(_coalescer, "_BOOT", "import sys; sys.exit(3)"),
+        caplog.at_level(logging.ERROR, logger="coalesce"),
+    ):
+        p = CoalescingPublisher(endpoint=f"tcp://*:{port}", coalescer="process")
+    try:
+        assert link_of(p) is None and "code 3" in caplog.text
+        sub = make_sub(f"tcp://127.0.0.1:{port}")
+        joined(p, sub)  # published from this process
+    finally:
+        p.shutdown()
+
+
+def test_ctrl_c_in_the_terminal_does_not_stop_the_coalescer(pubs, make_sub):
+    p, ep, _ = pubs()
+    sub = make_sub(ep)
+    joined(p, sub)
+    os.kill(link_of(p).pid, signal.SIGINT)  # what the process group gets from Ctrl-C
+    b = batch(store(7))
+    p.publish(b)
+    assert p.flush(10)  # taken by the same process, after the signal
+    assert link_of(p) is not None and link_of(p).alive()
+    assert sub.recv_until_seq(p.stats().messages_sent - 1)[-1][2] == msgspec.msgpack.encode(b)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One publisher with its coalescer process, and a subscriber that has joined."""
+    port = free_port()
+    p = CoalescingPublisher(endpoint=f"tcp://*:{port}", coalescer="process", high_watermark=2)
+    sub = Sub(f"tcp://127.0.0.1:{port}")
+    joined(p, sub)
+    yield p, sub
+    p.shutdown()
+    sub.close()
+
+
+@settings(max_examples=150)
+@given(batches=batch_lists(), burst=st.booleans())
+def test_every_model_ends_as_the_stream_would_leave_it(shared, batches, burst):
+    """Held bursts go through the fold and the coalescer's rules; the rest 1:1."""
+    p, sub = shared
+    before = p.stats().messages_sent
+    if burst:
+        with held(p):
+            for b in batches:
+                assert p.publish(b) is PublishOutcome.QUEUED
+    else:
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    st_ = p.stats()
+    assert st_.seq_gaps == 0 and st_.batches_dropped == 0
+    got = []
+    while st_.messages_sent > before and (not got or got[-1][1] < st_.messages_sent - 1):
+        got.append(sub.recv())
+    assert [m[1] for m in got] == list(range(before, st_.messages_sent))
+    received = [decode(m[2]) for m in got]
+    for mode in MODES:
+        want = SubscriberModel(mode).apply_batches(batches).state()
+        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
