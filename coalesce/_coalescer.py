@@ -42,18 +42,24 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
+import msgspec
 import zmq
 
+from coalesce._recorder import new_recorder
 from coalesce._replay import ReplayBuffer, ReplayService
-from coalesce._wire import open_sockets, send_message
+from coalesce._snapshot import SnapshotService
+from coalesce._wire import Encoder, open_sockets, send_message
 from coalesce.compactor import compact_payload
+from coalesce.events import KVEventBatch
 
 __all__ = ["AS_IS", "COMPACT", "COUNTERS", "GAP", "STOP", "CoalescerProcess", "main"]
 
 log = logging.getLogger("coalesce")
 
-AS_IS, COMPACT, GAP, STOP = 0, 1, 2, 3
-"""Pipe message kinds: send as it is; run the payload rules first; skip a seq; stop."""
+AS_IS, COMPACT, GAP, STOP, RECORD, INVALIDATE = 0, 1, 2, 3, 4, 5
+"""Pipe message kinds: send as it is; run the payload rules first; skip a seq; stop;
+(snapshots) give the recorder a batch that was refused, not sent; tell the recorder
+it cannot be exact (the payload says why)."""
 
 PIPE_HWM = 16
 """Messages the pipe queues on each side (so at most twice this many are in flight,
@@ -78,12 +84,18 @@ COUNTERS = (
     "replay_refused",
     "replay_messages",
     "replay_abandoned",
+    "snapshot_requests",
+    "snapshot_invalid",
+    "snapshot_replies",
+    "snapshot_unavailable",
+    "snapshot_abandoned",
+    "snapshot_blocks",
+    "snapshot_exact",
 )
 """The shared counters, in file order (int64 each); all but the first two are
 ``PublisherStats`` fields."""
 
-_WIRE = COUNTERS[2:10]
-_REPLAY = COUNTERS[10:]
+_PUBLISHED = COUNTERS[2:]
 _LAYOUT = struct.Struct(f"<{len(COUNTERS)}q")
 _HEAD = struct.Struct("<BI")
 _MORE = int(zmq.SNDMORE)
@@ -92,6 +104,8 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NO_RELEASE = 1 << 62  # nothing else here needs the GIL: the rules keep it
 _IDLE_MS = 100
+HEARTBEAT = 1.0
+"""Seconds of silence after which, with snapshots on, an empty batch is sent (PR #57789)."""
 _PASS = 64  # pipe messages per pass, between replay slices
 _BOOT = "import sys; from coalesce._coalescer import main; sys.exit(main(sys.argv[1:]))"
 
@@ -110,6 +124,7 @@ class CoalescerProcess:
         *,
         endpoint: str,
         replay_endpoint: str | None,
+        snapshot_endpoint: str | None,
         topic: bytes,
         hwm: int,
         buffer_steps: int,
@@ -135,6 +150,7 @@ class CoalescerProcess:
                 "counters": path,
                 "endpoint": endpoint,
                 "replay_endpoint": replay_endpoint,
+                "snapshot_endpoint": snapshot_endpoint,
                 "topic": topic.hex(),
                 "hwm": hwm,
                 "buffer_steps": buffer_steps,
@@ -153,8 +169,10 @@ class CoalescerProcess:
             self._cleanup(kill=True)
             raise
         self.hwm = hwm
+        self.options = options
         self.endpoint: str = ready["endpoint"]
         self.replay_endpoint: str | None = ready["replay_endpoint"]
+        self.snapshot_endpoint: str | None = ready["snapshot_endpoint"]
         self.pushed = 0
         """Messages pushed (heads counted once), compared with ``received`` by ``flush()``."""
 
@@ -212,10 +230,12 @@ class CoalescerProcess:
             return self._last
         return dict(zip(COUNTERS, _LAYOUT.unpack_from(self._counters), strict=True))
 
-    def published(self) -> dict[str, int]:
+    def published(self) -> dict[str, Any]:
         """The counters that are ``PublisherStats`` fields."""
         c = self.counters()
-        return {name: c[name] for name in _WIRE + _REPLAY}
+        out: dict[str, Any] = {name: c[name] for name in _PUBLISHED}
+        out["snapshot_exact"] = bool(c["snapshot_exact"])
+        return out
 
     def drained(self) -> bool:
         """The process has taken every message pushed so far."""
@@ -275,7 +295,7 @@ class Coalescer:
         self._socks = open_sockets(
             spec["endpoint"],
             spec["replay_endpoint"],
-            None,
+            spec.get("snapshot_endpoint"),
             hwm=spec["hwm"],
             replay_window=spec["replay_window"],
         )
@@ -294,6 +314,21 @@ class Coalescer:
                 max_clients=spec["replay_max_clients"],
             )
         )
+        self._snapshot: SnapshotService | None = None
+        self._last_sent = time.monotonic()
+        if self._socks.snapshot is not None:
+            pid = bytes.fromhex(spec["publisher_id"])
+            self._snapshot = SnapshotService(
+                self._socks.snapshot,
+                new_recorder(spec["snapshot_max_blocks"]),
+                pid,
+                spec["rank"],
+                max_response_bytes=spec["snapshot_max_response_bytes"],
+                max_deferred_events=spec["max_pending_events"],
+            )
+            self._encoder = Encoder(pid)
+            self._rank = spec["rank"]
+            self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         with open(spec["counters"], "r+b") as f:
             self._file = mmap.mmap(f.fileno(), _LAYOUT.size)
         self._c = dict.fromkeys(COUNTERS, 0)
@@ -304,14 +339,17 @@ class Coalescer:
         return {
             "endpoint": self._socks.endpoint,
             "replay_endpoint": self._socks.replay_endpoint,
+            "snapshot_endpoint": self._socks.snapshot_endpoint,
         }
 
     def run(self) -> None:
         pipe, replay = self._pipe, self._replay
         poller = zmq.Poller()
         poller.register(pipe, zmq.POLLIN)
-        if self._socks.router is not None:
-            poller.register(self._socks.router, zmq.POLLIN)
+        for sock in (self._socks.router, self._socks.snapshot):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        snapshot = self._snapshot
         parent = os.getppid()
         try:
             while True:
@@ -324,18 +362,29 @@ class Coalescer:
                     did = True
                 if replay is not None and replay.step():
                     did = True
+                if snapshot is not None and snapshot.step(self._covered_seq):
+                    did = True
                 if did:
                     self._write()
                     continue
                 if os.getppid() != parent:
                     log.warning("kv-coalesce: the engine's process has gone: stopping")
                     return
-                busy = replay is not None and replay.busy
+                if snapshot is not None and time.monotonic() - self._last_sent >= HEARTBEAT:
+                    beat = self._encoder.encode_with_id(time.time(), [], self._rank)
+                    self._send(beat, 0)  # PR #57789: an idle publisher beats
+                    self._write()
+                    continue
+                busy = (replay is not None and replay.busy) or (
+                    snapshot is not None and snapshot.busy
+                )
                 poller.poll(1 if busy else _IDLE_MS)
         finally:
             self._write()
             if replay is not None:
                 replay.close()
+            if snapshot is not None:
+                snapshot.close()
             self._socks.pub.close(linger=self._linger)
             if self._socks.router is not None:
                 self._socks.router.close(linger=0)
@@ -351,6 +400,13 @@ class Coalescer:
             self._skip = True
             return True
         payload = pipe.recv()
+        if kind == INVALIDATE:
+            if self._snapshot is not None:
+                self._snapshot.invalidate(payload.decode("utf-8", "replace"))
+            return True
+        if kind == RECORD:
+            self._record(payload)
+            return True
         if kind == COMPACT:
             result = compact_payload(payload, _NO_RELEASE)
             if result is not None:
@@ -360,7 +416,14 @@ class Coalescer:
                 c["events_merged"] += merged
                 c["payload_passes"] += 1
                 if n == 0:
-                    return True  # everything cancelled: nothing to send
+                    return True  # everything cancelled: nothing to send, or to record
+        self._send(payload, n)
+        if self._snapshot is not None:
+            self._record(payload)  # sent: the recorder's state covers it
+        return True
+
+    def _send(self, payload: bytes, n: int) -> None:
+        c = self._c
         if self._skip:
             self._skip = False
             c["next_seq"] += 1
@@ -369,15 +432,38 @@ class Coalescer:
         c["next_seq"] = seq + 1
         send_message(self._socks.pub, self._topic, seq, payload)
         self._buffer.append(seq, payload)
+        self._last_sent = time.monotonic()
         c["messages_sent"] += 1
         c["events_sent"] += n
         c["bytes_sent"] += len(payload)
-        return True
+
+    def _record(self, payload: bytes) -> None:
+        """Decode a batch (what a subscriber would) and give it to the recorder."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        try:
+            batch = self._decode(payload)
+        except Exception as exc:  # not the KV batch shape: it cannot be recorded
+            snapshot.invalidate(f"a batch it cannot read ({type(exc).__name__})")
+            return
+        snapshot.record(batch)
+
+    def _covered_seq(self) -> int:
+        """The last seq the recorder covers: a pending loss takes its seq now."""
+        c = self._c
+        if self._skip:
+            self._skip = False
+            c["next_seq"] += 1
+            c["seq_gaps"] += 1
+        return c["next_seq"] - 1
 
     def _write(self) -> None:
         c = self._c
         if self._replay is not None:
             c.update(self._replay.published())
+        if self._snapshot is not None:
+            c.update(self._snapshot.published())
         _LAYOUT.pack_into(self._file, 0, *(c[name] for name in COUNTERS))
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
-from coalesce._coalescer import AS_IS, COMPACT, GAP, CoalescerProcess
+from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
+from coalesce._recorder import new_recorder
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import SnapshotService
@@ -254,7 +255,8 @@ class Sender:
         )
         self.snapshot = snapshot
         self._record = None if snapshot is None else snapshot.record
-        self._heartbeat = publisher_id is not None
+        self._heartbeat = publisher_id is not None and link is None  # else the process beats
+        self._publisher_id = publisher_id
         self._last_sent = time.monotonic()
         self._encoder = Encoder(publisher_id)
         self.limited = RateLimited()
@@ -347,14 +349,15 @@ class Sender:
                 self._router.close(linger=0)
 
     def _loop(self) -> None:
-        backlog, snapshot = self._backlog, self.snapshot
+        backlog = self._backlog
         deadline: float | None = None
         while True:
             gate = self._gate
             if gate is not None:  # held by a test (hold()); one read otherwise
                 self._parked.set()
                 gate.wait()
-            replay = self.replay  # a fallback from a coalescer process may start one
+            # (a fallback from a coalescer process may start these)
+            replay, snapshot = self.replay, self.snapshot
             did = replay.step(self._replay_budget()) if replay is not None else False
             if snapshot is not None and snapshot.step(self._covered_seq):
                 did = True
@@ -602,6 +605,10 @@ class Sender:
         """A loss marker: skip a seq; the recorder still gets what was refused."""
         self._finish_pending()  # the gap comes after the window before it
         self._skip_pending = True
+        link = self._link
+        if link is not None and self._publisher_id is not None:  # its recorder sees them
+            self._record_remotely(link, marker)
+            return
         snapshot = self.snapshot
         if snapshot is not None:
             for b in marker.refused or ():
@@ -727,6 +734,27 @@ class Sender:
             link.wait_writable(0.001)
         return True
 
+    def _record_remotely(self, link: CoalescerProcess, marker: Any) -> None:
+        """Hand the coalescer process's recorder the batches refused over budget
+        (encoded: the engine pays their encoding, as it would have paid for sending
+        them), or tell it it cannot be exact."""
+        why = ""
+        for b in marker.refused or ():
+            try:
+                payload = self._encoder.encode(b)
+            except Exception as exc:
+                why = f"a refused batch could not be encoded ({type(exc).__name__})"
+                break
+            if not self._push_one(link, RECORD, _n_events(b), payload):
+                return  # fell back: that recorder is gone anyway
+        if marker.overflow:
+            why = "more batches refused than the record bound keeps"
+        if why:
+            self._invalidate_remotely(link, why)
+
+    def _invalidate_remotely(self, link: CoalescerProcess, why: str) -> None:
+        self._push_one(link, INVALIDATE, 0, why.encode())
+
     def _fall_back(self, why: str = "") -> None:
         """The coalescer process has failed: bind its endpoints here and send on
         after its last seq, with a gap (what was in its pipe, or being compacted,
@@ -751,11 +779,25 @@ class Sender:
         socks = open_sockets(
             link.endpoint,
             link.replay_endpoint,
-            None,
+            link.snapshot_endpoint,
             hwm=link.hwm,
             replay_window=self._settings.replay_window,
         )
         self._pub, self._router = socks.pub, socks.router
+        if socks.snapshot is not None:  # a new recorder, unavailable until a clear
+            assert self._publisher_id is not None
+            st = self._settings
+            self.snapshot = SnapshotService(
+                socks.snapshot,
+                new_recorder(st.snapshot_max_blocks),
+                self._publisher_id,
+                self._rank,
+                max_response_bytes=st.snapshot_max_response_bytes,
+                max_deferred_events=st.max_pending_events,
+            )
+            self.snapshot.invalidate("the coalescer process and its recorder are gone")
+            self._record = self.snapshot.record
+            self._heartbeat = True
         if socks.router is not None:
             self.replay = ReplayService(
                 socks.router,
@@ -769,8 +811,9 @@ class Sender:
         """The counters that are ``PublisherStats`` fields (the coalescer process's for
         what it does, while there is one).  O(1)."""
         out = self.totals.published()
-        replay = self.replay
+        replay, snapshot = self.replay, self.snapshot
         out.update(replay.published() if replay is not None else ReplayService.NOTHING)
+        out.update(snapshot.published() if snapshot is not None else SnapshotService.NOTHING)
         link = self._link
         if link is not None:
             out.update(link.published())
@@ -786,6 +829,9 @@ class Sender:
     def _encode_failed(self, exc: BaseException) -> None:
         self.totals.encode_failures += 1
         self._skip_pending = True
+        link = self._link
+        if link is not None and self._publisher_id is not None:  # its recorder misses it
+            self._invalidate_remotely(link, f"a batch could not be encoded ({type(exc).__name__})")
         self.limited.warning(
             "encode",
             "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); "

@@ -93,15 +93,11 @@ def _log_start(endpoint: str, replay: str | None, snapshot: str | None, pid: byt
         )
 
 
-def _process_supported(
-    endpoint: str, replay: str | None, snapshot: str | None, settings: Settings
-) -> bool:
+def _process_supported(endpoint: str, replay: str | None, settings: Settings) -> bool:
     """Whether ``coalescer="process"`` can serve these endpoints; says why not if not."""
     why = None
     if any(ep is not None and ep.startswith("inproc://") for ep in (endpoint, replay)):
         why = "inproc endpoints live in one process"
-    elif snapshot is not None:
-        why = "snapshots are recorded in the engine's process"
     elif settings.move_events:
         why = "BlockMoved events come from the rules on the event objects"
     if why is None:
@@ -197,24 +193,32 @@ class CoalescingPublisher:
 
         link: CoalescerProcess | None = None
         socks: Sockets | None = None
-        if self.settings.coalescer == "process" and _process_supported(
-            pub_ep, replay_ep, snap_ep, self.settings
-        ):
+        # 16 bytes that change only when the publisher restarts (PR #57789)
+        self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
+        st = self.settings
+        if st.coalescer == "process" and _process_supported(pub_ep, replay_ep, st):
             link = _start_coalescer(
                 endpoint=pub_ep,
                 replay_endpoint=replay_ep,
+                snapshot_endpoint=snap_ep,
                 topic=topic_b,
                 hwm=hwm,
                 buffer_steps=buffer_steps,
                 options={
-                    "shutdown_timeout": self.settings.shutdown_timeout,
-                    "replay_window": self.settings.replay_window,
-                    "replay_max_active": self.settings.replay_max_active,
-                    "replay_max_clients": self.settings.replay_max_clients,
+                    "shutdown_timeout": st.shutdown_timeout,
+                    "replay_window": st.replay_window,
+                    "replay_max_active": st.replay_max_active,
+                    "replay_max_clients": st.replay_max_clients,
+                    "rank": data_parallel_rank,
+                    "publisher_id": (self.publisher_id or b"").hex(),
+                    "snapshot_max_blocks": st.snapshot_max_blocks,
+                    "snapshot_max_response_bytes": st.snapshot_max_response_bytes,
+                    "max_pending_events": st.max_pending_events,
                 },
             )
         if link is not None:
             pub_ep, replay_ep = link.endpoint, link.replay_endpoint
+            snap_ep = link.snapshot_endpoint
         else:
             socks = open_sockets(
                 pub_ep, replay_ep, snap_ep, hwm=hwm, replay_window=self.settings.replay_window
@@ -223,8 +227,6 @@ class CoalescingPublisher:
             snap_ep = socks.snapshot_endpoint
 
         snap_sock = None if socks is None else socks.snapshot
-        # 16 bytes that change only when the publisher restarts (PR #57789)
-        self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
         self.snapshot_endpoint = snap_ep
         _log_start(pub_ep, replay_ep, snap_ep, self.publisher_id)
         self.config = PublisherConfig(
@@ -246,8 +248,8 @@ class CoalescingPublisher:
             record_events=0 if snap_ep is None else 2 * self.settings.max_pending_events,
         )
         snapshot = None
-        if snap_ep is not None:
-            assert self.publisher_id is not None and snap_sock is not None
+        if snap_sock is not None:
+            assert self.publisher_id is not None
             snapshot = SnapshotService(
                 snap_sock,
                 new_recorder(self.settings.snapshot_max_blocks),
@@ -368,7 +370,6 @@ class CoalescingPublisher:
             sender_alive=s.alive,
             compactor_accelerated=accelerated(),
             **s.published(),
-            **(s.snapshot.published() if s.snapshot is not None else SnapshotService.NOTHING),
         )
 
     def get_publisher_config(self) -> Any:

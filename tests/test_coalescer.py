@@ -324,3 +324,41 @@ def test_every_model_ends_as_the_stream_would_leave_it(shared, batches, burst):
     for mode in MODES:
         want = SubscriberModel(mode).apply_batches(batches).state()
         assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+
+
+def snapshot_of(endpoint: str) -> tuple[int, list[bytes]]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(b"snapshot")
+        assert sock.poll(10_000), "no snapshot reply"
+        frames = sock.recv_multipart()
+    finally:
+        sock.close()
+    return int.from_bytes(frames[0], "big", signed=True), frames
+
+
+def test_with_snapshots_the_process_beats_and_a_killed_one_leaves_them_unavailable(pubs, make_sub):
+    sport = free_port()
+    p, ep, _ = pubs(snapshot_endpoint=f"tcp://*:{sport}")
+    snap = f"tcp://127.0.0.1:{sport}"
+    sub = make_sub(ep)
+    joined(p, sub)
+    last = sub.messages[-1][1]
+    (_, seq, payload) = sub.recv(timeout=5.0)  # nothing published: the process beats
+    raw = msgspec.msgpack.decode(payload)
+    assert seq == last + 1 and raw[1] == [] and raw[3] == p.publisher_id
+    p.publish(batch(store(1)))
+    assert p.flush(10)
+    seq, frames = snapshot_of(snap)
+    assert seq >= 0 and frames[1] == p.publisher_id and len(frames) == 3  # one chunk
+    link = link_of(p)
+    os.kill(link.pid, signal.SIGKILL)
+    wait_for(lambda: link_of(p) is None, what="the sender to take over")
+    assert snapshot_of(snap)[0] == -2, "the recorder died with its process"
+    p.publish(batch(AllBlocksCleared(), store(7)))
+    assert p.flush(10)
+    seq, frames = snapshot_of(snap)
+    assert seq >= 0 and len(frames) == 3
+    assert [e.block_hashes for e in decode(frames[2]).events] == [[7]]

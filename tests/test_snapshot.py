@@ -23,7 +23,7 @@ from coalesce import (
 )
 from coalesce.refmodel import SubscriberModel
 from coalesce.subscriber import Subscriber, decode_batch, publisher_id
-from tests.conftest import held, inproc, wait_for
+from tests.conftest import free_port, held, inproc, wait_for
 from tests.streams import batch_lists
 
 
@@ -52,6 +52,15 @@ def snap_pub():
     made: list[CoalescingPublisher] = []
 
     def make(ep: str | None = None, **kw: Any) -> tuple[CoalescingPublisher, str, str]:
+        if kw.get("coalescer") == "process":  # tcp: a coalescer process cannot serve inproc
+            assert ep is None
+            port, sport = free_port(), free_port()
+            p = CoalescingPublisher(
+                endpoint=f"tcp://*:{port}", snapshot_endpoint=f"tcp://*:{sport}", **kw
+            )
+            made.append(p)
+            assert p._sender._link is not None
+            return p, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{sport}"
         ep, snap = ep or inproc("pub"), inproc("snap")
         p = CoalescingPublisher(endpoint=ep, snapshot_endpoint=snap, **kw)
         made.append(p)
@@ -113,9 +122,14 @@ def test_payloads_carry_the_publisher_id_and_an_idle_publisher_beats(snap_pub, m
     assert msgspec.msgpack.decode(payload)[1] == []
 
 
+MODES = pytest.mark.parametrize("coalescer", ["thread", "process"])
+"""Where the recorder runs: the sender thread, or the coalescer process."""
+
+
+@MODES
 @pytest.mark.parametrize("req", [False, True], ids=["dealer", "req"])
-def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
-    p, _, snap = snap_pub()
+def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req, coalescer):
+    p, _, snap = snap_pub(coalescer=coalescer)
     batches = [offload(i) for i in range(60)] + [batch(BlockRemoved([3, 9], "CPU"))]
     for b in batches:
         p.publish(b)
@@ -172,8 +186,9 @@ def test_bad_requests_are_ignored_and_counted_and_two_clients_get_the_same_state
     )
 
 
-def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub):
-    p, _, snap = snap_pub(max_queue_size=3, high_watermark=1, stall_timeout=0)
+@MODES
+def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub, coalescer):
+    p, _, snap = snap_pub(max_queue_size=3, high_watermark=1, stall_timeout=0, coalescer=coalescer)
     batches = [offload(i) for i in range(40)]
     with held(p):
         outcomes = [p.publish(b) for b in batches[:30]]
@@ -188,8 +203,9 @@ def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub):
     assert model.state() == truth(batches), "the refused batches are in the state"
 
 
-def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub):
-    p, _, snap = snap_pub()
+@MODES
+def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub, coalescer):
+    p, _, snap = snap_pub(coalescer=coalescer)
     p.publish(batch(store([1], None)))
     p.publish(batch(store([2], 1, tokens=[object()])))  # lost at encode: a gap
     assert p.flush(10.0)
