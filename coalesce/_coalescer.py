@@ -4,16 +4,19 @@ With ``coalescer="process"`` the engine's process keeps only what vLLM's
 own publisher does there, and less: ``publish()`` -> backlog -> encode (each
 batch as it is, or a folded window under pressure) -> one push over a
 ZeroMQ ``ipc`` pipe.  This process owns the PUB socket, the sequence
-counter, the replay buffer and its ROUTER, and runs the payload rules
+counter, the replay buffer and its ROUTER (and, with snapshots, the
+recorder, its ROUTER and the heartbeat), and runs the payload rules
 (:func:`coalesce.compactor.compact_payload`) on every folded window it is
 handed, on its own core and under its own GIL, so the rules cost the
 engine nothing.
 
 The pipe (a PAIR socket, the engine side binds it) carries messages of one
 or two frames: a 5-byte head (a kind byte, then the event count as 4
-little-endian bytes), then the payload for :data:`AS_IS` and :data:`COMPACT`.
-:data:`GAP` says "skip a seq before the next message" (a loss on the engine
-side), :data:`STOP` "send what you have, then exit".  The pipe holds at most
+little-endian bytes), then a payload for every kind but :data:`GAP` ("skip a
+seq before the next message": a loss on the engine side) and :data:`STOP`
+("send what you have, then exit").  With snapshots, :data:`RECORD` carries a
+batch refused over budget (recorded, not sent) and :data:`INVALIDATE` the
+reason the recorder cannot be exact (a batch it will never see).  The pipe holds at most
 :data:`PIPE_HWM` messages each side, so what sits in it is bounded; a full
 pipe makes the engine's sender wait (off the engine thread) while its
 backlog, with its budgets, absorbs the burst.

@@ -95,9 +95,10 @@ class Settings:
     without the GIL (needs the C accelerator; not with ``move_events``); off: on the
     event objects, with the GIL, and only while the sender keeps up."""
     coalescer: str = _knob("thread", _coalescer)
-    """Where the compaction rules, the PUB socket and the replay buffer live: ``thread``,
-    the sender thread in the engine's process; ``process``, a coalescer process of
-    their own (the engine's process only encodes; tcp and ipc endpoints, no snapshots)."""
+    """Where the compaction rules, the PUB socket, the replay buffer and the snapshot
+    recorder live: ``thread``, the sender thread in the engine's process; ``process``,
+    a coalescer process of their own (the engine's process only encodes; tcp and ipc
+    endpoints, not with ``move_events``)."""
     max_pending_events: int = _knob(2_000_000, _positive_int)
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = _knob(512, _positive_int)
