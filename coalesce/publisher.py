@@ -93,10 +93,10 @@ def _log_start(endpoint: str, replay: str | None, snapshot: str | None, pid: byt
         )
 
 
-def _process_supported(endpoint: str, replay: str | None, settings: Settings) -> bool:
+def _process_supported(endpoints: tuple[str | None, ...], settings: Settings) -> bool:
     """Whether ``coalescer="process"`` can serve these endpoints; says why not if not."""
     why = None
-    if any(ep is not None and ep.startswith("inproc://") for ep in (endpoint, replay)):
+    if any(ep is not None and ep.startswith("inproc://") for ep in endpoints):
         why = "inproc endpoints live in one process"
     elif settings.move_events:
         why = "BlockMoved events come from the rules on the event objects"
@@ -196,7 +196,7 @@ class CoalescingPublisher:
         # 16 bytes that change only when the publisher restarts (PR #57789)
         self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
         st = self.settings
-        if st.coalescer == "process" and _process_supported(pub_ep, replay_ep, st):
+        if st.coalescer == "process" and _process_supported((pub_ep, replay_ep, snap_ep), st):
             link = _start_coalescer(
                 endpoint=pub_ep,
                 replay_endpoint=replay_ep,

@@ -235,11 +235,22 @@ def test_endpoints_it_cannot_bind_fail_the_constructor():
         CoalescingPublisher(endpoint="tcp://*:notaport", coalescer="process")
 
 
-def test_what_it_cannot_serve_runs_in_a_thread_and_says_why(caplog, make_sub):
+@pytest.mark.parametrize(
+    "endpoints",
+    [
+        {"endpoint": "inproc"},
+        {"replay_endpoint": "inproc"},
+        {"snapshot_endpoint": "inproc"},
+        {"move_events": True},
+    ],
+)
+def test_what_it_cannot_serve_runs_in_a_thread_and_says_why(caplog, endpoints):
+    kw = {k: inproc(k) if v == "inproc" else v for k, v in endpoints.items()}
+    kw.setdefault("endpoint", f"tcp://*:{free_port()}")
     with caplog.at_level(logging.WARNING, logger="coalesce"):
-        p = CoalescingPublisher(endpoint=inproc("pub"), coalescer="process")
+        p = CoalescingPublisher(coalescer="process", **kw)
     try:
-        assert link_of(p) is None and "inproc" in caplog.text
+        assert link_of(p) is None and "using a thread" in caplog.text
     finally:
         p.shutdown()
 
