@@ -24,10 +24,7 @@ from hypothesis import strategies as st
 
 from coalesce import (
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     CoalescingPublisher,
-    KVEventBatch,
     PublishOutcome,
     _coalescer,
     _sender,
@@ -37,21 +34,7 @@ from coalesce._settings import Settings
 from coalesce.refmodel import MODES, SubscriberModel
 from tests.conftest import Sub, decode, free_port, held, inproc, wait_for
 from tests.streams import batch_lists
-
-
-def store(h: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
-    return BlockStored([h], parent, list(range(4)), 4, None, medium, None)
-
-
-def batch(*events: Any, ts: float = 1.0) -> KVEventBatch:
-    return KVEventBatch(ts, list(events), None)
-
-
-def offload_batch(i: int) -> KVEventBatch:
-    evs: list[Any] = [store(i + 1, i or None)]
-    if i >= 4:
-        evs += [BlockRemoved([i - 3], "GPU"), store(i - 3, (i - 4) or None, "CPU")]
-    return batch(*evs, ts=float(i))
+from tests.test_publisher import batch, offload_batch, store
 
 
 @pytest.fixture
