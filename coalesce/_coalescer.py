@@ -104,7 +104,6 @@ _HEAD = struct.Struct("<BI")
 _MORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
-_POLLOUT = int(zmq.POLLOUT)
 _NO_RELEASE = 1 << 62  # nothing else here needs the GIL: the rules keep it
 _IDLE_MS = 100
 HEARTBEAT = 1.0
