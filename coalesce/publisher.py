@@ -58,10 +58,12 @@ class PublishOutcome(enum.Enum):
     subscribers as a sequence gap."""
 
 
-def _log_start(endpoint: str, replay: str | None, snapshot: str | None, pid: bytes | None) -> None:
+def _log_start(
+    endpoint: str, bind: bool, replay: str | None, snapshot: str | None, pid: bytes | None
+) -> None:
     """Say once where this publisher is and which compaction rules it runs, and warn
-    about vLLM's connect rule."""
-    bind = is_bind_endpoint(endpoint)
+    about vLLM's connect rule (``bind``: as the endpoint was given; a bound
+    ``tcp://*:0`` is reported as the ``tcp://0.0.0.0:<port>`` it resolved to)."""
     log.info(
         "kv-coalesce: publishing on %s (%s)%s",
         endpoint,
@@ -191,6 +193,7 @@ class CoalescingPublisher:
         if not pub_ep:
             raise ValueError(f"endpoint must be a ZeroMQ endpoint, got {endpoint!r}")
 
+        binds = is_bind_endpoint(pub_ep)
         link: CoalescerProcess | None = None
         socks: Sockets | None = None
         # 16 bytes that change only when the publisher restarts (PR #57789)
@@ -228,7 +231,7 @@ class CoalescingPublisher:
 
         snap_sock = None if socks is None else socks.snapshot
         self.snapshot_endpoint = snap_ep
-        _log_start(pub_ep, replay_ep, snap_ep, self.publisher_id)
+        _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id)
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,

@@ -436,3 +436,14 @@ def test_zero_means_what_it_means_in_vllm(make_sub):
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="int >= 0"):
             CoalescingPublisher(endpoint=inproc("pub"), hwm=bad)
+
+
+def test_a_bound_port_zero_is_not_mistaken_for_a_connect(caplog):
+    """tcp://*:0 binds and resolves to tcp://0.0.0.0:<port>: no connect-rule warning."""
+    with caplog.at_level("INFO", logger="coalesce"):
+        p = CoalescingPublisher(endpoint="tcp://*:0")
+    try:
+        assert p.config.endpoint.startswith("tcp://0.0.0.0:")
+        assert "subscribers connect here" in caplog.text and "names a host" not in caplog.text
+    finally:
+        p.shutdown()
