@@ -171,7 +171,6 @@ class CoalescerProcess:
             self._cleanup(kill=True)
             raise
         self.hwm = hwm
-        self.options = options
         self.endpoint: str = ready["endpoint"]
         self.replay_endpoint: str | None = ready["replay_endpoint"]
         self.snapshot_endpoint: str | None = ready["snapshot_endpoint"]
