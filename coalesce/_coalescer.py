@@ -43,14 +43,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, cast
 
 import msgspec
 import zmq
 
-from coalesce._recorder import new_recorder
 from coalesce._replay import ReplayBuffer, ReplayService
-from coalesce._snapshot import SnapshotService
+from coalesce._settings import Settings
+from coalesce._snapshot import HEARTBEAT, SnapshotService
 from coalesce._wire import Encoder, open_sockets, send_message
 from coalesce.compactor import compact_payload
 from coalesce.events import KVEventBatch
@@ -106,8 +107,6 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _NO_RELEASE = 1 << 62  # nothing else here needs the GIL: the rules keep it
 _IDLE_MS = 100
-HEARTBEAT = 1.0
-"""Seconds of silence after which, with snapshots on, an empty batch is sent (PR #57789)."""
 _PASS = 64  # pipe messages per pass, between replay slices
 _BOOT = "import sys; from coalesce._coalescer import main; sys.exit(main(sys.argv[1:]))"
 
@@ -130,7 +129,9 @@ class CoalescerProcess:
         topic: bytes,
         hwm: int,
         buffer_steps: int,
-        options: dict[str, Any],
+        rank: int,
+        publisher_id: bytes | None,
+        settings: Settings,
     ) -> None:
         self._dir = tempfile.mkdtemp(prefix="coalesce-")
         self._last = dict.fromkeys(COUNTERS, 0)
@@ -156,7 +157,9 @@ class CoalescerProcess:
                 "topic": topic.hex(),
                 "hwm": hwm,
                 "buffer_steps": buffer_steps,
-                **options,
+                "rank": rank,
+                "publisher_id": (publisher_id or b"").hex(),
+                "settings": asdict(settings),
             }
             env = dict(os.environ)
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,42 +296,32 @@ class Coalescer:
 
     def __init__(self, spec: dict[str, Any], pipe: zmq.Socket[bytes]) -> None:
         self._pipe = pipe
+        settings = Settings(**spec["settings"])  # the engine side's, as resolved there
         self._socks = open_sockets(
             spec["endpoint"],
             spec["replay_endpoint"],
-            spec.get("snapshot_endpoint"),
+            spec["snapshot_endpoint"],
             hwm=spec["hwm"],
-            replay_window=spec["replay_window"],
+            replay_window=settings.replay_window,
         )
         self._topic = bytes.fromhex(spec["topic"])
-        self._linger = int(spec["shutdown_timeout"] * 1000)
+        self._linger = int(settings.shutdown_timeout * 1000)
         self._buffer = ReplayBuffer(spec["buffer_steps"])
         router = self._socks.router
         self._replay = (
             None
             if router is None
-            else ReplayService(
-                router,
-                self._buffer,
-                self._topic,
-                max_active=spec["replay_max_active"],
-                max_clients=spec["replay_max_clients"],
-            )
+            else ReplayService.from_settings(router, self._buffer, self._topic, settings)
         )
         self._snapshot: SnapshotService | None = None
         self._last_sent = time.monotonic()
         if self._socks.snapshot is not None:
             pid = bytes.fromhex(spec["publisher_id"])
-            self._snapshot = SnapshotService(
-                self._socks.snapshot,
-                new_recorder(spec["snapshot_max_blocks"]),
-                pid,
-                spec["rank"],
-                max_response_bytes=spec["snapshot_max_response_bytes"],
-                max_deferred_events=spec["max_pending_events"],
+            self._rank = spec["rank"]
+            self._snapshot = SnapshotService.from_settings(
+                self._socks.snapshot, pid, self._rank, settings
             )
             self._encoder = Encoder(pid)
-            self._rank = spec["rank"]
             self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         with open(spec["counters"], "r+b") as f:
             self._file = mmap.mmap(f.fileno(), _LAYOUT.size)
@@ -425,11 +418,7 @@ class Coalescer:
 
     def _send(self, payload: bytes, n: int) -> None:
         c = self._c
-        if self._skip:
-            self._skip = False
-            c["next_seq"] += 1
-            c["seq_gaps"] += 1
-        seq = c["next_seq"]
+        seq = self._covered_seq() + 1  # after the gap of a pending loss, if any
         c["next_seq"] = seq + 1
         send_message(self._socks.pub, self._topic, seq, payload)
         self._buffer.append(seq, payload)
@@ -451,7 +440,8 @@ class Coalescer:
         snapshot.record(batch)
 
     def _covered_seq(self) -> int:
-        """The last seq the recorder covers: a pending loss takes its seq now."""
+        """The last seq taken: a pending loss takes its skipped seq now (so the next
+        message comes after the gap, and a snapshot's seq covers it)."""
         c = self._c
         if self._skip:
             self._skip = False

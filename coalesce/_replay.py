@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import zmq
 
+from coalesce._settings import Settings
 from coalesce._wire import END_SEQ, read_requests
 
 __all__ = ["ReplayBuffer", "ReplayService"]
@@ -139,6 +140,19 @@ class ReplayService:
         "replay_abandoned": 0,
     }
     """The ``PublisherStats`` replay counters of a publisher with no replay endpoint."""
+
+    @classmethod
+    def from_settings(
+        cls, sock: zmq.Socket[bytes], buffer: ReplayBuffer, topic: bytes, settings: Settings
+    ) -> ReplayService:
+        """The service with the publisher's ``replay_*`` knobs."""
+        return cls(
+            sock,
+            buffer,
+            topic,
+            max_active=settings.replay_max_active,
+            max_clients=settings.replay_max_clients,
+        )
 
     def published(self) -> dict[str, Any]:
         """The counters as ``PublisherStats`` fields."""

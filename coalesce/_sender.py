@@ -28,10 +28,9 @@ import zmq
 
 from coalesce._backlog import Backlog, is_loss
 from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
-from coalesce._recorder import new_recorder
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
-from coalesce._snapshot import SnapshotService
+from coalesce._snapshot import HEARTBEAT, SnapshotService
 from coalesce._wire import Encoder, open_sockets, send_message
 from coalesce.compactor import PAYLOAD_RELEASE_AT, accelerated, compact, compact_payload, rule_stats
 
@@ -44,10 +43,6 @@ IDLE_POLL = 0.005
 under load (past ``high_watermark`` batches or ``max_events_per_step`` events),
 because each wake-up is a GIL acquisition taken from the engine; so a lone small
 batch may wait up to this long (CPython's own switch interval) before it is sent."""
-
-HEARTBEAT = 1.0
-"""Seconds of silence after which a publisher with snapshots on sends an empty batch
-(it takes a seq, so a subscriber sees a lost tail within a second; PR #57789)."""
 
 PIPE_TIMEOUT = 10.0
 """Seconds the sender waits for room in a coalescer process's pipe before it stops
@@ -243,15 +238,7 @@ class Sender:
         self._buffer = buffer
         self._settings = settings
         self.replay = (
-            None
-            if router is None
-            else ReplayService(
-                router,
-                buffer,
-                topic,
-                max_active=settings.replay_max_active,
-                max_clients=settings.replay_max_clients,
-            )
+            None if router is None else ReplayService.from_settings(router, buffer, topic, settings)
         )
         self.snapshot = snapshot
         self._record = None if snapshot is None else snapshot.record
@@ -786,25 +773,15 @@ class Sender:
         self._pub, self._router = socks.pub, socks.router
         if socks.snapshot is not None:  # a new recorder, unavailable until a clear
             assert self._publisher_id is not None
-            st = self._settings
-            self.snapshot = SnapshotService(
-                socks.snapshot,
-                new_recorder(st.snapshot_max_blocks),
-                self._publisher_id,
-                self._rank,
-                max_response_bytes=st.snapshot_max_response_bytes,
-                max_deferred_events=st.max_pending_events,
+            self.snapshot = SnapshotService.from_settings(
+                socks.snapshot, self._publisher_id, self._rank, self._settings
             )
             self.snapshot.invalidate("the coalescer process and its recorder are gone")
             self._record = self.snapshot.record
             self._heartbeat = True
         if socks.router is not None:
-            self.replay = ReplayService(
-                socks.router,
-                self._buffer,
-                self._topic,
-                max_active=self._settings.replay_max_active,
-                max_clients=self._settings.replay_max_clients,
+            self.replay = ReplayService.from_settings(
+                socks.router, self._buffer, self._topic, self._settings
             )
 
     def published(self) -> dict[str, Any]:

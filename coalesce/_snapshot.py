@@ -26,12 +26,17 @@ from typing import Any, ClassVar
 
 import zmq
 
-from coalesce._recorder import AnyRecorder
+from coalesce._recorder import AnyRecorder, new_recorder
+from coalesce._settings import Settings
 from coalesce._wire import Encoder, read_requests
 
-__all__ = ["SnapshotService", "UNAVAILABLE", "NOTHING_SENT"]
+__all__ = ["HEARTBEAT", "NOTHING_SENT", "SnapshotService", "UNAVAILABLE"]
 
 log = logging.getLogger("coalesce")
+
+HEARTBEAT = 1.0
+"""Seconds of silence after which a publisher with snapshots on sends an empty batch
+(it takes a seq, so a subscriber sees a lost tail within a second; PR #57789)."""
 
 NOTHING_SENT = -1
 UNAVAILABLE = -2
@@ -89,6 +94,20 @@ class SnapshotService:
         self.abandoned = 0
         self.chunks_sent = 0
         self._was_valid = True
+
+    @classmethod
+    def from_settings(
+        cls, sock: zmq.Socket[bytes], publisher_id: bytes, rank: int, settings: Settings
+    ) -> SnapshotService:
+        """The service, with a new recorder, sized by the publisher's knobs."""
+        return cls(
+            sock,
+            new_recorder(settings.snapshot_max_blocks),
+            publisher_id,
+            rank,
+            max_response_bytes=settings.snapshot_max_response_bytes,
+            max_deferred_events=settings.max_pending_events,
+        )
 
     def published(self) -> dict[str, Any]:
         """The counters as ``PublisherStats`` fields."""

@@ -33,7 +33,6 @@ import msgspec
 
 from coalesce._backlog import Backlog
 from coalesce._coalescer import CoalescerProcess
-from coalesce._recorder import new_recorder
 from coalesce._replay import ReplayBuffer
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
@@ -207,17 +206,9 @@ class CoalescingPublisher:
                 topic=topic_b,
                 hwm=hwm,
                 buffer_steps=buffer_steps,
-                options={
-                    "shutdown_timeout": st.shutdown_timeout,
-                    "replay_window": st.replay_window,
-                    "replay_max_active": st.replay_max_active,
-                    "replay_max_clients": st.replay_max_clients,
-                    "rank": data_parallel_rank,
-                    "publisher_id": (self.publisher_id or b"").hex(),
-                    "snapshot_max_blocks": st.snapshot_max_blocks,
-                    "snapshot_max_response_bytes": st.snapshot_max_response_bytes,
-                    "max_pending_events": st.max_pending_events,
-                },
+                rank=data_parallel_rank,
+                publisher_id=self.publisher_id,
+                settings=st,
             )
         if link is not None:
             pub_ep, replay_ep = link.endpoint, link.replay_endpoint
@@ -253,13 +244,8 @@ class CoalescingPublisher:
         snapshot = None
         if snap_sock is not None:
             assert self.publisher_id is not None
-            snapshot = SnapshotService(
-                snap_sock,
-                new_recorder(self.settings.snapshot_max_blocks),
-                self.publisher_id,
-                data_parallel_rank,
-                max_response_bytes=self.settings.snapshot_max_response_bytes,
-                max_deferred_events=self.settings.max_pending_events,
+            snapshot = SnapshotService.from_settings(
+                snap_sock, self.publisher_id, data_parallel_rank, self.settings
             )
         self._batch_types: set[type] = set()
         self._sender = Sender(
