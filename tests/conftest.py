@@ -132,5 +132,15 @@ def held(pub: Any) -> Iterator[None]:
         sender.release()
 
 
+def assert_every_model_agrees(batches: list[Any], received: list[Any]) -> None:
+    """What a subscriber applying ``received`` holds is what ``batches`` would leave,
+    under every model of docs/event-semantics.md."""
+    from coalesce.refmodel import MODES, SubscriberModel
+
+    for mode in MODES:
+        want = SubscriberModel(mode).apply_batches(batches).state()
+        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+
+
 def decode(payload: bytes) -> KVEventBatch:
     return msgspec.msgpack.decode(payload, type=KVEventBatch)

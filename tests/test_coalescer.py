@@ -31,8 +31,7 @@ from coalesce import (
     compactor,
 )
 from coalesce._settings import Settings
-from coalesce.refmodel import MODES, SubscriberModel
-from tests.conftest import Sub, decode, free_port, held, inproc, wait_for
+from tests.conftest import Sub, assert_every_model_agrees, decode, free_port, held, inproc, wait_for
 from tests.streams import batch_lists
 from tests.test_publisher import batch, offload_batch, store
 
@@ -128,9 +127,7 @@ def test_a_burst_is_compacted_there_and_every_model_ends_right(pubs, make_sub):
     if compactor.accelerated():  # the payload rules ran in the coalescer process
         assert st.payload_passes > 0 and st.events_sent < st.events_in
         assert st.events_superseded > 0
-    for mode in MODES:
-        want = SubscriberModel(mode).apply_batches(batches).state()
-        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+    assert_every_model_agrees(batches, received)
 
 
 def test_shutdown_sends_everything_and_stops_the_process(make_sub):
@@ -315,9 +312,7 @@ def test_every_model_ends_as_the_stream_would_leave_it(shared, batches, burst):
         got.append(sub.recv())
     assert [m[1] for m in got] == list(range(before, st_.messages_sent))
     received = [decode(m[2]) for m in got]
-    for mode in MODES:
-        want = SubscriberModel(mode).apply_batches(batches).state()
-        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+    assert_every_model_agrees(batches, received)
 
 
 def snapshot_of(endpoint: str) -> tuple[int, list[bytes]]:

@@ -21,8 +21,7 @@ from coalesce import (
     PublishOutcome,
     compactor,
 )
-from coalesce.refmodel import MODES, SubscriberModel
-from tests.conftest import decode, free_port, held, inproc, wait_for
+from tests.conftest import assert_every_model_agrees, decode, free_port, held, inproc, wait_for
 
 
 def store(h: int, parent: int | None = None, medium: str = "GPU") -> BlockStored:
@@ -203,9 +202,7 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
     assert (st.payload_passes > 0) == (payload_rules and compactor.accelerated())
     assert st.events_sent == sum(len(decode(m[2]).events) for m in msgs)
     received = [decode(m[2]) for m in msgs]
-    for mode in MODES:
-        want = SubscriberModel(mode).apply_batches(batches).state()
-        assert SubscriberModel(mode).apply_batches(received).state() == want, mode
+    assert_every_model_agrees(batches, received)
 
 
 def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
