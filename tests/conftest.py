@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -130,6 +131,23 @@ def held(pub: Any) -> Iterator[None]:
         yield
     finally:
         sender.release()
+
+
+@contextmanager
+def no_forced_switch() -> Iterator[None]:
+    """No forced GIL switch inside: another thread runs only if this one releases.
+
+    A GIL wait another thread began under the old switch interval can still time
+    out and force one switch, so the old interval is waited out first (with the
+    GIL released: nothing is measured yet).
+    """
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        time.sleep(2 * interval)
+        yield
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def assert_every_model_agrees(batches: list[Any], received: list[Any]) -> None:

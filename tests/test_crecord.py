@@ -22,6 +22,7 @@ from coalesce import _recorder
 from coalesce._recorder import new_recorder
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
 from coalesce.refmodel import SubscriberModel
+from tests.conftest import no_forced_switch
 from tests.streams import batch_lists
 from tests.test_recorder import (
     _apply,
@@ -226,15 +227,13 @@ def test_the_tables_are_updated_without_the_gil_from_release_at(release_at):
     does, and what it asks of the state meanwhile is refused, never half-read."""
     batch = _big_batch(200_000)
     rec = new_recorder(10**6, accelerated=True, release_at=release_at)
-    interval = sys.getswitchinterval()
     count, seen, stop, thread = _spinner(rec)
-    sys.setswitchinterval(1000.0)  # no forced switch: only a release lets it count
     try:
-        before = count[0]
-        rec.record(batch)
-        during = count[0] - before
+        with no_forced_switch():  # only a release lets it count
+            before = count[0]
+            rec.record(batch)
+            during = count[0] - before
     finally:
-        sys.setswitchinterval(interval)
         stop.set()
         thread.join(10)
     assert all(isinstance(e, RuntimeError) and "busy" in str(e) for e in seen), seen

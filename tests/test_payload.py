@@ -11,7 +11,6 @@ given, it declines or returns valid msgpack, and never crashes.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from hypothesis import strategies as st
 from coalesce import compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from coalesce.refmodel import MODES, SubscriberModel
+from tests.conftest import no_forced_switch
 from tests.streams import batch_lists
 from tests.test_accel import (
     BYTES_POOL,
@@ -269,14 +269,12 @@ def test_the_gil_is_released_from_release_at(release_at: int) -> None:
             break
         stop.wait(0.001)
     assert count[0], "the counting thread never ran"
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1000.0)
     try:
-        before = count[0]
-        result = compactor.compact_payload(payload, release_at)
-        during = count[0] - before
+        with no_forced_switch():
+            before = count[0]
+            result = compactor.compact_payload(payload, release_at)
+            during = count[0] - before
     finally:
-        sys.setswitchinterval(interval)
         stop.set()
         thread.join(10)
     assert result is not None
