@@ -517,12 +517,39 @@ def compact_payload(
     return _accel.compact_payload(payload, release_at)  # type: ignore[no-any-return]
 
 
+_offered: set[type] = set()
+"""Classes offered to the accelerator's table (registered, or refused: once each)."""
+_OFFER_LIMIT = 64
+"""At most this many classes are offered from :func:`_is_kv_batch` (the C table
+holds 32): a stream of ever-new classes is answered in Python, in bounded memory."""
+
+
+def _register(cls: type) -> None:
+    """Offer ``cls`` to the accelerator's table, under the kind it may treat it as."""
+    assert _accel is not None
+    _offered.add(cls)
+    names: tuple[str, ...] = getattr(cls, "__struct_fields__", ())
+    _accel.register(cls, _accel_kind(cls), tuple(names))
+
+
 def _is_kv_batch(batch: Any) -> bool:
-    """:func:`coalesce._kinds.is_kv_batch`, answered in C for classes the accelerator knows."""
+    """:func:`coalesce._kinds.is_kv_batch`, answered in C for classes the accelerator knows.
+
+    O(events) in C.  A batch of a class not offered to the accelerator yet
+    offers it (once per class, so the fold-only level, which never runs the
+    rules, is answered in C too); classes it refuses are answered in Python.
+    """
     if _accel is not None:
         events = batch.events
-        if type(events) is list and _accel.all_known(events):
-            return True
+        if type(events) is list:
+            if _accel.all_known(events):
+                return True
+            new = {cls for cls in map(type, events) if cls not in _offered}
+            if new and len(_offered) + len(new) <= _OFFER_LIMIT:
+                for cls in new:
+                    _register(cls)
+                if _accel.all_known(events):
+                    return True
     return is_kv_batch(batch)
 
 
@@ -542,8 +569,7 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
         if result in tried:
             return None
         tried.add(result)
-        names: tuple[str, ...] = result.__struct_fields__  # type: ignore[attr-defined]
-        _accel.register(result, _accel_kind(result), tuple(names))
+        _register(result)
 
 
 def _accel_kind(cls: type) -> int:

@@ -298,6 +298,41 @@ def test_is_kv_batch_answered_in_c_only_for_known_classes() -> None:
     assert not compactor._is_kv_batch(KVEventBatch(ts=0.0, events=[Unknown()]))
 
 
+def test_fold_only_offers_new_classes_to_the_accelerator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fold-only level never runs the rules, which used to be what registered a
+    class: its batches were then classified in Python, batch after batch."""
+    monkeypatch.setattr(compactor, "_offered", set())
+    cls = msgspec.defstruct(
+        "FoldOnlyRemoved", [("block_hashes", list), ("medium", Any)], tag="BlockRemoved"
+    )
+    batch = KVEventBatch(ts=0.0, events=[cls([1], "GPU"), cls([2], "GPU")])
+    assert compactor._accel is not None
+    assert compactor._accel.all_known(batch.events) is None  # not seen yet
+    out, report = compactor.compact([batch, batch], fold_only=True)
+    assert report.folded == 1 and len(out[0].events) == 4
+    assert compactor._accel.all_known(batch.events) is True
+    assert cls in compactor._offered
+
+    class Unknown(msgspec.Struct, tag="SomethingElse"):
+        x: int = 0
+
+    odd = KVEventBatch(ts=0.0, events=[Unknown()])
+    assert not compactor._is_kv_batch(odd) and not compactor._is_kv_batch(odd)
+    assert Unknown in compactor._offered  # offered once, refused, answered in Python
+
+
+def test_offers_stop_at_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream of ever-new classes does not grow the set of offered classes."""
+    monkeypatch.setattr(compactor, "_offered", set())
+    monkeypatch.setattr(compactor, "_OFFER_LIMIT", 3)
+    for i in range(10):
+        cls = msgspec.defstruct(f"Fresh{i}", [("x", int)], tag=f"Fresh{i}")
+        assert not compactor._is_kv_batch(KVEventBatch(ts=0.0, events=[cls(1)]))
+    assert len(compactor._offered) == 3
+
+
 def test_more_classes_than_the_accelerator_holds_still_compact() -> None:
     """Its table of classes is bounded; past it, windows go to the Python rules
     (this test runs last in the file: the table stays full for the session)."""
