@@ -260,9 +260,6 @@ class CoalescingPublisher:
             publisher_id=self.publisher_id,
             link=link,
         )
-        # publish() wakes an idle sender past either of these
-        self._wake_at = self.settings.high_watermark
-        self._wake_events = self.settings.max_events_per_step
         self._closed = False
         self._shutdown_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _collected, self._sender)
@@ -310,15 +307,13 @@ class CoalescingPublisher:
         if not backlog.offer(events, len(evs)):
             self._dropped()
             return PublishOutcome.DROPPED
-        # Waking a sleeping thread is a futex syscall: only worth it when work
-        # piles up (in batches, or in events: a burst must not wait for IDLE_POLL, or
-        # the sender misses the engine's GPU wait, the only time it can run).
-        # Otherwise the idle sender finds the batch within IDLE_POLL.
-        if sender.idle and (
-            backlog.pending > self._wake_at or backlog.pending_events > self._wake_events
-        ):
+        # Wake a sleeping sender (one lock release, a futex syscall) at the first
+        # batch: it then waits for the GIL, and takes it at the engine's next GPU
+        # wait, when running costs the engine nothing.  Left asleep, its work piles
+        # up until IDLE_POLL and then runs in long GIL holds the engine waits out.
+        if sender.idle:
             sender.idle = False
-            sender.wake_event.set()
+            sender.wake()
         return PublishOutcome.QUEUED
 
     def _dropped(self) -> None:

@@ -1,0 +1,134 @@
+"""The engine loop where stock never blocks: what each sender costs the engine.
+
+Engine model (bench_publish's): each step spins ``--cpu-us`` holding the GIL,
+calls ``publish()`` once, then waits ``--gpu-us`` on the "GPU" (``time.sleep``,
+GIL released: the only time a sender thread runs for free).  Three batch sizes
+that every sender drains as they come (about 20, 110 and 580 events); the load
+column is the events offered per step over what vLLM's sender encodes and
+sends during one GPU wait, measured in this run.  Every publisher binds tcp
+loopback with a real SUB reading in a process of its own; publishers
+alternate, ``--rounds`` times per size; medians.  ``engine vs stock`` is the
+loop's wall time over stock's in the same round; ``publish()`` percentiles
+are of every call of the round (medians over rounds).
+
+    .venv-vllm/bin/python benchmarks/bench_engine.py   # against the real vLLM class
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_drain import _read
+from bench_publish import drain_rate, effective_sleep, make_batch
+
+from coalesce import CoalescingPublisher
+from coalesce._baselines import REAL_VLLM, StockPublisher
+
+KINDS = ("stock", "coalesce", "coalesce+proc")
+
+
+def _spin_until(t: float) -> None:
+    while time.perf_counter() < t:
+        pass
+
+
+def one_run(
+    kind: str, blocks: int, steps: int, cpu_us: float, gpu_us: float
+) -> tuple[float, float, float]:
+    """(loop seconds, p50 us, p99 us) of one engine loop with ``kind``'s publisher."""
+    batches = [make_batch(i, blocks) for i in range(steps)]
+    for b in batches:
+        b.data_parallel_rank = None
+    gc.collect()
+    gc.freeze()  # fresh lists by the thousand: keep cyclic-GC pauses out of the loop
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://*:{port}"
+    pub: Any
+    if kind == "stock":
+        pub = StockPublisher(0, endpoint=endpoint, max_queue_size=100)
+    else:
+        coalescer = "process" if kind == "coalesce+proc" else "thread"
+        pub = CoalescingPublisher(0, endpoint=endpoint, max_queue_size=100, coalescer=coalescer)
+    mp = multiprocessing.get_context("spawn")
+    ready, stop = mp.Event(), mp.Event()
+    reader = mp.Process(target=_read, args=(f"tcp://127.0.0.1:{port}", ready, stop))
+    reader.start()
+    ready.wait(30)
+    time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
+    lat: list[int] = []
+    clock = time.perf_counter_ns
+    cpu, gpu = cpu_us / 1e6, gpu_us / 1e6
+    t0 = time.perf_counter()
+    for b in batches:
+        _spin_until(time.perf_counter() + cpu)
+        a = clock()
+        pub.publish(b)
+        lat.append(clock() - a)
+        time.sleep(gpu)
+    wall = time.perf_counter() - t0
+    if kind == "stock":
+        deadline = time.monotonic() + 60  # vLLM's shutdown() raises queue.Full on a full queue
+        while pub._event_queue.qsize() and time.monotonic() < deadline:
+            time.sleep(0.001)
+    else:
+        assert pub.flush(60) and pub.stats().batches_dropped == 0
+    pub.shutdown()
+    stop.set()
+    reader.join(10)
+    gc.unfreeze()
+    lat.sort()
+    return wall, lat[len(lat) // 2] / 1e3, lat[len(lat) * 99 // 100] / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--cpu-us", type=float, default=50.0)
+    ap.add_argument("--gpu-us", type=float, default=100.0)
+    ap.add_argument("--only", action="append", choices=KINDS[1:], help="coalesce kinds to run")
+    args = ap.parse_args()
+    kinds = ("stock", *(args.only or KINDS[1:]))
+    rate = drain_rate(37)
+    gpu_eff = effective_sleep(args.gpu_us)
+    print(
+        f"# the engine loop where stock never blocks\n\nmachine: {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}; stock publisher: "
+        f"{'real vLLM' if REAL_VLLM else 're-implementation'}; {args.steps} steps of "
+        f"{args.cpu_us:.0f} us CPU + a {args.gpu_us:.0f} us GPU wait ({gpu_eff * 1e6:.0f} us "
+        f"effective); medians of {args.rounds} alternated rounds\n"
+    )
+    print("| events/step | load | publisher | loop ms | engine vs stock | p50 us | p99 us |")
+    print("|---|---|---|---|---|---|---|")
+    for blocks in (7, 37, 193):
+        events = len(make_batch(args.steps // 2, blocks).events)
+        runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
+        ratios: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(args.rounds):
+            for kind in kinds:
+                runs[kind].append(one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us))
+            for kind in kinds:
+                ratios[kind].append(runs[kind][-1][0] / runs["stock"][-1][0])
+        for kind in kinds:
+            wall, p50, p99 = (statistics.median(r[i] for r in runs[kind]) for i in range(3))
+            print(
+                f"| {events} | {events / (rate * gpu_eff):.2f}x | {kind} | {wall * 1e3:.0f} "
+                f"| {statistics.median(ratios[kind]):.2f}x | {p50:.1f} | {p99:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
