@@ -261,6 +261,7 @@ class CoalescingPublisher:
             link=link,
         )
         self._closed = False
+        self._sender_gone = False  # shutdown() has stopped the sender (under the lock)
         self._shutdown_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _collected, self._sender)
         self._finalizer.atexit = False
@@ -307,6 +308,8 @@ class CoalescingPublisher:
         if not backlog.offer(events, len(evs)):
             self._dropped()
             return PublishOutcome.DROPPED
+        if self._sender_gone:  # shutdown() ended between this call's checks and its offer
+            self._abandon_leftovers()
         # Wake a sleeping sender (one lock release, a futex syscall) at the first
         # batch: it then waits for the GIL, and takes it at the engine's next GPU
         # wait, when running costs the engine nothing.  Left asleep, its work piles
@@ -409,11 +412,20 @@ class CoalescingPublisher:
         if sender.thread.is_alive():  # pragma: no cover - the sender checks its deadline
             log.error("kv-coalesce: sender thread did not stop; sockets left to it")
             return
-        # A publish() that passed its closed check while the sender was exiting: the
-        # sender is gone, so account for it here (the sender no longer writes totals).
-        batches, events = self._backlog.drain()
+        self._abandon_leftovers(stopped=True)
+
+    def _abandon_leftovers(self, stopped: bool = False) -> None:
+        """Count as abandoned what a publish() that passed its closed check while the
+        sender was exiting left in the backlog (the sender no longer writes totals).
+        Called by shutdown() once the sender has stopped, and by such a publish()
+        itself if its batch came later; one lock orders the two."""
+        with self._shutdown_lock:
+            if stopped:
+                self._sender_gone = True
+            batches, events = self._backlog.drain()
+            if batches:
+                self._sender.totals.add_abandoned(batches, events)
         if batches:
-            sender.totals.add_abandoned(batches, events)
             log.warning("kv-coalesce: %d batches published during shutdown were not sent", batches)
 
     def __enter__(self) -> CoalescingPublisher:

@@ -134,6 +134,20 @@ def test_shutdown_twice_and_concurrently_with_publish():
     assert st.events_sent + st.events_dropped == accepted
 
 
+def test_a_publish_that_passed_its_check_before_shutdown_ended_is_counted():
+    """The interleaving the test above can only hit by chance, made certain: a
+    publish() that checked ``_closed`` before shutdown() set it, and offered its
+    batch after shutdown() had stopped the sender and emptied the backlog."""
+    pub = CoalescingPublisher(endpoint=inproc("pub"), shutdown_timeout=0.5)
+    assert pub.publish(batch(0)) is PublishOutcome.QUEUED
+    pub.shutdown()
+    pub._closed = False  # as that publish() saw it
+    assert pub.publish(batch(1)) is PublishOutcome.QUEUED
+    st = pub.stats()
+    assert st.batches_in == 2
+    assert st.events_sent + st.events_dropped == 2 and st.events_dropped == 1
+
+
 def test_what_was_sent_before_shutdown_is_delivered():
     """Within the linger (shutdown_timeout): generous here, so a busy CI machine is not a
     race against it; with linger=0 (vLLM's choice) this fails at any speed."""
