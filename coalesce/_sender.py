@@ -291,7 +291,7 @@ class Sender:
     def wake(self) -> None:
         """Wake the thread if it sleeps (else it finds the ring on its next sleep).
         O(1), never blocks; safe from any thread."""
-        try:
+        try:  # noqa: SIM105 - in publish(): contextlib.suppress costs a context manager
             self._bell.release()
         except RuntimeError:  # already rung
             pass
