@@ -5,7 +5,7 @@ enough never to block) and then waits; the time until the last one has left
 the sender is the drain time.  Two workloads: big offload batches (about 110
 events, as bench_publish builds them) and many small ones (about 20 events:
 "thousands of EventBatch objects in one shot" in the upstream report).  A
-real SUB socket is connected and read by a thread, so sends cost what they
+real SUB socket is connected and read by a process of its own (benchmarks/_reader.py), so sends cost what they
 cost with a subscriber.  Publishers alternate; medians of ``--repeats`` runs.
 ``coalesce, payload rules`` is coalesce with the opt-in ``payload_rules``,
 ``coalesce, process`` with the opt-in ``coalescer="process"``; wire bytes are
@@ -21,7 +21,6 @@ inproc), and the reader is connected before the clock starts.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import platform
 import socket
@@ -32,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _reader import start_reader, stop_reader
 from bench_publish import make_batch
 
 from coalesce import CoalescingPublisher
@@ -43,24 +42,6 @@ from coalesce._baselines import REAL_VLLM, StockPublisher
 PAYLOAD = "coalesce, payload rules"
 PROCESS = "coalesce, process"
 _ENC = msgspec.msgpack.Encoder()
-
-
-def _read(endpoint: str, ready: Any, stop: Any) -> None:
-    """A SUB that reads and discards (in its own process, so that its CPU is not the
-    engine process's), so the PUB has a real peer."""
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.connect(endpoint)
-    ready.set()
-    while not stop.is_set():
-        if sub.poll(20):
-            while True:
-                try:
-                    sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-    sub.close(linger=0)
 
 
 def _cpu_of(pid: int) -> float:
@@ -85,8 +66,6 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     endpoint = f"tcp://*:{port}"
-    mp = multiprocessing.get_context("spawn")
-    ready, stop = mp.Event(), mp.Event()
     big = 10 * len(batches)
     pub: Any
     if kind == "stock":
@@ -101,9 +80,7 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
             coalescer="process" if kind == PROCESS else "thread",
         )
     link = getattr(getattr(pub, "_sender", None), "_link", None)
-    reader = mp.Process(target=_read, args=(f"tcp://127.0.0.1:{port}", ready, stop))
-    reader.start()
-    ready.wait(30)
+    reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
     for b in batches:
         b.data_parallel_rank = None
@@ -127,8 +104,7 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
     else:
         nbytes = float(sum(len(_ENC.encode(b)) for b in batches))
     pub.shutdown()
-    stop.set()
-    reader.join(10)
+    stop_reader(reader)
     return Drain(dt, nbytes, cpu, helper)
 
 

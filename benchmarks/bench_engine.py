@@ -3,13 +3,16 @@
 Engine model (bench_publish's): each step spins ``--cpu-us`` holding the GIL,
 calls ``publish()`` once, then waits ``--gpu-us`` on the "GPU" (``time.sleep``,
 GIL released: the only time a sender thread runs for free).  Three batch sizes
-that every sender drains as they come (about 20, 110 and 580 events); the load
+that every sender drains as they come (about 20, 110 and 440 events); the load
 column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
-alternate, ``--rounds`` times per size; medians.  ``engine vs stock`` is the
+alternate, ``--rounds`` times per size; medians.  ``coalesce+snap`` records
+for snapshots (``snapshot_endpoint``), ``coalesce+proc`` runs a coalescer
+process (both opt-in).  ``engine vs stock`` is the
 loop's wall time over stock's in the same round; ``publish()`` percentiles
-are of every call of the round (medians over rounds).
+are of every call of the round (medians over rounds).  ``stock blocked``: the
+most calls in a round that found vLLM's queue full (its ``publish()`` waited).
 
     .venv-vllm/bin/python benchmarks/bench_engine.py   # against the real vLLM class
 """
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import multiprocessing
 import os
 import platform
 import socket
@@ -28,13 +30,13 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_drain import _read
+from _reader import start_reader, stop_reader
 from bench_publish import drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
 from coalesce._baselines import REAL_VLLM, StockPublisher
 
-KINDS = ("stock", "coalesce", "coalesce+proc")
+KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
 
 
 def _spin_until(t: float) -> None:
@@ -44,35 +46,42 @@ def _spin_until(t: float) -> None:
 
 def one_run(
     kind: str, blocks: int, steps: int, cpu_us: float, gpu_us: float
-) -> tuple[float, float, float]:
-    """(loop seconds, p50 us, p99 us) of one engine loop with ``kind``'s publisher."""
+) -> tuple[float, float, float, int]:
+    """(loop seconds, p50 us, p99 us, calls that found vLLM's queue full) of one
+    engine loop with ``kind``'s publisher."""
     batches = [make_batch(i, blocks) for i in range(steps)]
     for b in batches:
         b.data_parallel_rank = None
     gc.collect()
     gc.freeze()  # fresh lists by the thousand: keep cyclic-GC pauses out of the loop
-    with socket.socket() as s:
+    with socket.socket() as s, socket.socket() as s2:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        s2.bind(("127.0.0.1", 0))
+        port, snap_port = s.getsockname()[1], s2.getsockname()[1]
     endpoint = f"tcp://*:{port}"
     pub: Any
     if kind == "stock":
         pub = StockPublisher(0, endpoint=endpoint, max_queue_size=100)
     else:
-        coalescer = "process" if kind == "coalesce+proc" else "thread"
-        pub = CoalescingPublisher(0, endpoint=endpoint, max_queue_size=100, coalescer=coalescer)
-    mp = multiprocessing.get_context("spawn")
-    ready, stop = mp.Event(), mp.Event()
-    reader = mp.Process(target=_read, args=(f"tcp://127.0.0.1:{port}", ready, stop))
-    reader.start()
-    ready.wait(30)
+        pub = CoalescingPublisher(
+            0,
+            endpoint=endpoint,
+            max_queue_size=100,
+            coalescer="process" if kind == "coalesce+proc" else "thread",
+            snapshot_endpoint=f"tcp://*:{snap_port}" if kind == "coalesce+snap" else None,
+        )
+    reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
     lat: list[int] = []
     clock = time.perf_counter_ns
     cpu, gpu = cpu_us / 1e6, gpu_us / 1e6
+    vllm_queue = pub._event_queue if kind == "stock" else None
+    blocked = 0
     t0 = time.perf_counter()
     for b in batches:
         _spin_until(time.perf_counter() + cpu)
+        if vllm_queue is not None and vllm_queue.full():  # publish() will wait
+            blocked += 1
         a = clock()
         pub.publish(b)
         lat.append(clock() - a)
@@ -85,11 +94,10 @@ def one_run(
     else:
         assert pub.flush(60) and pub.stats().batches_dropped == 0
     pub.shutdown()
-    stop.set()
-    reader.join(10)
+    stop_reader(reader)
     gc.unfreeze()
     lat.sort()
-    return wall, lat[len(lat) // 2] / 1e3, lat[len(lat) * 99 // 100] / 1e3
+    return wall, lat[len(lat) // 2] / 1e3, lat[len(lat) * 99 // 100] / 1e3, blocked
 
 
 def main() -> None:
@@ -110,11 +118,14 @@ def main() -> None:
         f"{args.cpu_us:.0f} us CPU + a {args.gpu_us:.0f} us GPU wait ({gpu_eff * 1e6:.0f} us "
         f"effective); medians of {args.rounds} alternated rounds\n"
     )
-    print("| events/step | load | publisher | loop ms | engine vs stock | p50 us | p99 us |")
-    print("|---|---|---|---|---|---|---|")
-    for blocks in (7, 37, 193):
+    print(
+        "| events/step | load | publisher | loop ms | engine vs stock | p50 us | p99 us "
+        "| stock blocked |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for blocks in (7, 37, 148):
         events = len(make_batch(args.steps // 2, blocks).events)
-        runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in kinds}
+        runs: dict[str, list[tuple[float, float, float, int]]] = {k: [] for k in kinds}
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
@@ -125,7 +136,8 @@ def main() -> None:
             wall, p50, p99 = (statistics.median(r[i] for r in runs[kind]) for i in range(3))
             print(
                 f"| {events} | {events / (rate * gpu_eff):.2f}x | {kind} | {wall * 1e3:.0f} "
-                f"| {statistics.median(ratios[kind]):.2f}x | {p50:.1f} | {p99:.1f} |",
+                f"| {statistics.median(ratios[kind]):.2f}x | {p50:.1f} | {p99:.1f} "
+                f"| {max(r[3] for r in runs['stock']) if kind == 'stock' else ''} |",
                 flush=True,
             )
 
