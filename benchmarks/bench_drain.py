@@ -6,7 +6,8 @@ the sender is the drain time.  Two workloads: big offload batches (about 110
 events, as bench_publish builds them) and many small ones (about 20 events:
 "thousands of EventBatch objects in one shot" in the upstream report).  A
 real SUB socket is connected and read by a process of its own
-(benchmarks/_reader.py), so sends cost what they cost with a subscriber.  Publishers alternate; medians of ``--repeats`` runs.
+(benchmarks/_reader.py), so sends cost what they cost with a subscriber.
+Publishers alternate; medians of ``--repeats`` runs.
 ``coalesce, payload rules`` is coalesce with the opt-in ``payload_rules``,
 ``coalesce, process`` with the opt-in ``coalescer="process"``; wire bytes are
 over what encoding every batch gives; CPU is the engine's process's (every
