@@ -520,14 +520,16 @@ def compact_payload(
 _offered: set[type] = set()
 """Classes offered to the accelerator's table (registered, or refused: once each)."""
 _OFFER_LIMIT = 64
-"""At most this many classes are offered from :func:`_is_kv_batch` (the C table
-holds 32): a stream of ever-new classes is answered in Python, in bounded memory."""
+"""At most this many classes are remembered as offered (the C table holds 32); past
+it :func:`_is_kv_batch` offers no more: a stream of ever-new classes is answered in
+Python, in bounded memory."""
 
 
 def _register(cls: type) -> None:
     """Offer ``cls`` to the accelerator's table, under the kind it may treat it as."""
     assert _accel is not None
-    _offered.add(cls)
+    if len(_offered) < _OFFER_LIMIT:  # (the rules' path offers past it: not remembered)
+        _offered.add(cls)
     names: tuple[str, ...] = getattr(cls, "__struct_fields__", ())
     _accel.register(cls, _accel_kind(cls), tuple(names))
 
