@@ -10,6 +10,7 @@ required field names, never by class identity, so vLLM's own
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ __all__ = [
     "OPAQUE",
     "REMOVED",
     "STORED",
+    "all_kv_classes",
     "event_kind",
     "event_kind_of_class",
     "is_kv_batch",
@@ -71,4 +73,9 @@ def is_kv_batch(batch: Any) -> bool:
 
     O(events), in C (one ``set(map(type, ...))``), then O(distinct classes).
     """
-    return all(event_kind_of_class(cls) != OPAQUE for cls in set(map(type, batch.events)))
+    return all_kv_classes(set(map(type, batch.events)))
+
+
+def all_kv_classes(classes: Iterable[type]) -> bool:
+    """True when every one of ``classes`` is a KV event class.  O(classes)."""
+    return all(event_kind_of_class(cls) != OPAQUE for cls in classes)

@@ -60,6 +60,7 @@ from coalesce._kinds import (
     OPAQUE,
     REMOVED,
     STORED,
+    all_kv_classes,
     event_kind,
     event_kind_of_class,
     is_kv_batch,
@@ -541,18 +542,19 @@ def _is_kv_batch(batch: Any) -> bool:
     offers it (once per class, so the fold-only level, which never runs the
     rules, is answered in C too); classes it refuses are answered in Python.
     """
-    if _accel is not None:
-        events = batch.events
-        if type(events) is list:
-            if _accel.all_known(events):
-                return True
-            new = {cls for cls in map(type, events) if cls not in _offered}
-            if new and len(_offered) + len(new) <= _OFFER_LIMIT:
-                for cls in new:
-                    _register(cls)
-                if _accel.all_known(events):
-                    return True
-    return is_kv_batch(batch)
+    events = batch.events
+    if _accel is None or type(events) is not list:
+        return is_kv_batch(batch)
+    if _accel.all_known(events):
+        return True
+    classes = set(map(type, events))
+    new = classes - _offered
+    if new and len(_offered) + len(new) <= _OFFER_LIMIT:
+        for cls in new:
+            _register(cls)
+        if _accel.all_known(events):
+            return True
+    return all_kv_classes(classes)
 
 
 def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
