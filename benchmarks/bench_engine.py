@@ -31,17 +31,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reader import start_reader, stop_reader
-from bench_publish import drain_rate, effective_sleep, make_batch
+from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
 from coalesce._baselines import REAL_VLLM, StockPublisher
 
 KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
-
-
-def _spin_until(t: float) -> None:
-    while time.perf_counter() < t:
-        pass
 
 
 def one_run(
@@ -74,12 +69,12 @@ def one_run(
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
     lat: list[int] = []
     clock = time.perf_counter_ns
-    cpu, gpu = cpu_us / 1e6, gpu_us / 1e6
+    gpu = gpu_us / 1e6
     vllm_queue = pub._event_queue if kind == "stock" else None
     blocked = 0
     t0 = time.perf_counter()
     for b in batches:
-        _spin_until(time.perf_counter() + cpu)
+        _spin(cpu_us)
         if vllm_queue is not None and vllm_queue.full():  # publish() will wait
             blocked += 1
         a = clock()
