@@ -47,6 +47,14 @@ PIPE_TIMEOUT = 10.0
 """Seconds the sender waits for room in a coalescer process's pipe before it stops
 that process and publishes from the engine's process itself."""
 
+SERVICE_POLL = 0.001
+"""Seconds between looks at the replay and snapshot sockets while neither is
+serving a reply.  A look (``ZMQ_EVENTS``) makes libzmq process its command
+pipe, a system call: a few µs of the sender's CPU, which at every loop turn
+(two or more per engine step) was taken from the engine for requests that come
+once in minutes.  A request waits at most this long, or ``IDLE_POLL`` while
+the sender sleeps."""
+
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
 Yielding after every step makes each step a GIL handoff (two context switches);
@@ -263,6 +271,7 @@ class Sender:
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
         self._last_yield = 0.0
+        self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
         # shared with the facade
@@ -356,9 +365,18 @@ class Sender:
                 gate.wait()
             # (a fallback from a coalescer process may start these)
             replay, snapshot = self.replay, self.snapshot
-            did = replay.step(self._replay_budget()) if replay is not None else False
-            if snapshot is not None and snapshot.step(self._covered_seq):
-                did = True
+            did = False
+            if replay is not None or snapshot is not None:
+                now = time.monotonic()
+                if (
+                    now >= self._poll_at
+                    or (replay is not None and replay.busy)
+                    or (snapshot is not None and snapshot.busy)
+                ):
+                    self._poll_at = now + SERVICE_POLL
+                    did = replay.step(self._replay_budget()) if replay is not None else False
+                    if snapshot is not None and snapshot.step(self._covered_seq):
+                        did = True
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout
             if len(backlog):

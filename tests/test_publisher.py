@@ -111,6 +111,36 @@ def test_replay_from_a_seq_and_buffer_limit(pubs, make_sub):
     assert p.stats().replay_requests == 3
 
 
+def test_the_replay_socket_is_looked_at_once_per_service_poll_and_still_answers(
+    pubs, make_sub, monkeypatch
+):
+    """A look at a ROUTER is a libzmq system call: not at every turn of the loop."""
+    from coalesce import _replay, _sender
+
+    looks = 0
+    step = _replay.ReplayService.step
+
+    def counted(self: Any, budget: int | None = None) -> bool:
+        nonlocal looks
+        looks += 1
+        return step(self, budget)
+
+    monkeypatch.setattr(_replay.ReplayService, "step", counted)
+    monkeypatch.setattr(_sender, "SERVICE_POLL", 3600.0)
+    ep = inproc("pub")
+    sub = make_sub(ep, replay=inproc("replay"))
+    p = pubs(endpoint=ep, replay_endpoint=sub.replay_endpoint, compaction=False)
+    for i in range(200):
+        p.publish(batch(store(i)))
+        assert p.flush(10)
+    sub.recv_until_seq(199)
+    assert looks == 1  # the first turn; the next look is an hour away
+    monkeypatch.setattr(_sender, "SERVICE_POLL", 0.001)
+    p._sender._poll_at = 0.0  # (the hour is over)
+    assert [m[1] for m in sub.replay(198)] == [198, 199]
+    assert looks > 1
+
+
 def test_malformed_replay_requests_are_ignored_and_counted(pubs, make_sub):
     ep, rep = inproc("pub"), inproc("replay")
     sub = make_sub(ep, replay=rep)
