@@ -5,10 +5,12 @@ publish order until ``--window`` events, the default ``max_events_per_step``)
 go through four paths, timed in alternation and reported as medians:
 
 - ``raw``: every batch encoded on its own (what vLLM's sender encodes);
-- ``fold``: ``compact(fold_only=True)``, then encode (the sender under pressure);
+- ``fold``: the sender's fold-only level (under pressure): ``compact(fold_only=True)``,
+  then encode, except a window of big batches (``FOLD_GAINS_BELOW`` events
+  each on average), which it encodes batch by batch;
 - ``rules C``: ``compact()`` with the C accelerator, then encode;
 - ``rules py``: ``compact()`` with the pure-Python rules, then encode;
-- ``payload``: the C rules on the folded, encoded window
+- ``payload``: the C rules on the folded (always), encoded window
   (``compact_payload``) alone: the work the sender does without the GIL, or
   what a separate coalescer process would spend on the payloads an
   engine-side sender handed it;
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_publish import make_batch
 
 from coalesce import compactor
+from coalesce._sender import FOLD_GAINS_BELOW
 from coalesce.events import KVEventBatch
 from coalesce.workload import Engine, WorkloadConfig
 
@@ -87,8 +90,13 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
     def raw(w: Window) -> Any:
         return [enc.encode(b) for b in w]
 
-    def fold(w: Window) -> Any:
+    def fold_all(w: Window) -> Any:  # what the payload path and the coalescer process fold
         return [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
+
+    def fold(w: Window) -> Any:  # the sender's fold-only level at its defaults
+        if sum(len(b.events) for b in w) >= FOLD_GAINS_BELOW * len(w):
+            return raw(w)  # big batches: sent as they are
+        return fold_all(w)
 
     def rules_c(w: Window) -> Any:
         compactor._accel = accel
@@ -107,12 +115,12 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
     def payload(w: Window) -> Any:
         payloads = folded.get(id(w))
         if payloads is None:  # prepared once, outside the timed runs (alternate() warms up)
-            payloads = folded[id(w)] = fold(w)
+            payloads = folded[id(w)] = fold_all(w)
             return None
         return [compactor.compact_payload(p, never) for p in payloads]
 
     def fold_payload(w: Window) -> Any:
-        return [compactor.compact_payload(p, never) for p in fold(w)]
+        return [compactor.compact_payload(p, never) for p in fold_all(w)]
 
     paths = {
         "raw": raw,

@@ -55,6 +55,13 @@ pipe, a system call: a few µs of the sender's CPU, which at every loop turn
 once in minutes.  A request waits at most this long, or ``IDLE_POLL`` while
 the sender sleeps."""
 
+FOLD_GAINS_BELOW = 256
+"""Events per batch (a window's mean) under which folding a fold-only window pays.
+Folding saves one message per batch folded (the sends, an encoder call, a
+replay entry) and costs a classifying pass and a list copy per event; at about
+256 events a batch the two are even (docs/benchmarks.md), and above it each
+batch is sent as it is."""
+
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
 Yielding after every step makes each step a GIL handoff (two context switches);
@@ -434,7 +441,8 @@ class Sender:
         only, and a single batch larger than a window is compacted too.
         Otherwise (the default) the rules run on the objects at the rules
         level only, a single oversized batch is only sent (one encode: the
-        longest GIL hold), and the fold-only level drains at encoding speed.
+        longest GIL hold), and the fold-only level drains at encoding speed
+        (a window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).
         Past ``high_watermark`` batches in the hand-off deque, the sender
         first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
@@ -601,6 +609,9 @@ class Sender:
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
             self._send_one(window[0], self._in_flight[1])
+            return window
+        if level == Level.FOLD_ONLY and self._in_flight[1] >= FOLD_GAINS_BELOW * len(window):
+            self._send_each(window)  # big batches: folding them costs more than it saves
             return window
         sent = window
         try:

@@ -235,6 +235,33 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
     assert_every_model_agrees(batches, received)
 
 
+def test_the_fold_only_level_sends_big_batches_as_they_are(pubs, make_sub):
+    """Folding batches of 256 events or more would cost more than the messages it saves."""
+    from coalesce._sender import FOLD_GAINS_BELOW
+
+    def big(i: int) -> KVEventBatch:
+        base = i * FOLD_GAINS_BELOW
+        return batch(*(store(base + j + 1, (base + j) or None) for j in range(FOLD_GAINS_BELOW)))
+
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=1)
+    bigs, smalls = [big(i) for i in range(12)], [offload_batch(i) for i in range(40)]
+    for phase in (bigs, smalls):
+        with held(p):
+            for b in phase:
+                assert p.publish(b) is PublishOutcome.QUEUED
+        assert p.flush(10)
+    batches = bigs + smalls
+    st = p.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    received = [decode(m[2]) for m in msgs]
+    assert received[:12] == batches[:12]  # one message each, as published
+    assert len(received) < len(batches) and st.batches_folded > 0  # the small ones fold
+    assert st.batches_dropped == 0 and st.seq_gaps == 0
+    assert_every_model_agrees(batches, received)
+
+
 def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
