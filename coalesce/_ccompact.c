@@ -87,7 +87,7 @@ typedef struct {
  * bumping its generation. */
 typedef struct {
     Slot *s;
-    size_t mask;
+    size_t mask, cap; /* the window's slots are s[0..mask]; cap were allocated */
     uint32_t gen;
 } Table;
 
@@ -121,40 +121,49 @@ static void buf_trim(Buf *b) {
 
 /* Make room for n keys at load <= 1/2 in an open-address array of `size`-byte
  * slots (*s, *mask), emptied in O(1) by bumping *gen (a slot whose own gen
- * differs is free).  0 on memory error. */
-static int slots_init(void **s, size_t *mask, uint32_t *gen, size_t size, Py_ssize_t n) {
-    size_t cap = 16;
-    while (cap < (size_t)n * 2 + 16) cap <<= 1;
-    if (*s == NULL || *mask + 1 < cap) {
+ * differs is free).  The array is kept across calls (*cap slots), but each
+ * call uses only the first slots its window needs: a table sized once for a
+ * big window would spread a small one's lookups over memory that is no
+ * longer in the caches.  0 on memory error. */
+static int slots_init(void **s, size_t *mask, size_t *cap, uint32_t *gen, size_t size,
+                      Py_ssize_t n) {
+    size_t want = 16;
+    while (want < (size_t)n * 2 + 16) want <<= 1;
+    if (*s == NULL || *cap < want) {
         free(*s);
-        *s = calloc(cap, size);
-        if (*s == NULL) return 0;
-        *mask = cap - 1;
+        *s = calloc(want, size);
+        if (*s == NULL) {
+            *cap = *mask = 0;
+            return 0;
+        }
+        *cap = want;
+        *mask = want - 1;
         *gen = 1;
         return 1;
     }
     if (++*gen == 0) { /* wrapped: clear for real, once per 2**32 calls */
-        memset(*s, 0, (*mask + 1) * size);
+        memset(*s, 0, *cap * size);
         *gen = 1;
     }
+    *mask = want - 1; /* every slot of an earlier call has an older gen: free */
     return 1;
 }
 
 /* Empty `t` and make room for n keys at load <= 1/2.  0 on memory error. */
 static int table_init(Table *t, Py_ssize_t n) {
-    return slots_init((void **)&t->s, &t->mask, &t->gen, sizeof(Slot), n);
+    return slots_init((void **)&t->s, &t->mask, &t->cap, &t->gen, sizeof(Slot), n);
 }
 
 /* Free a slot array that grew past KEEP_BYTES (slots_init makes a new one). */
-static void slots_trim(void **s, size_t *mask, size_t size) {
-    if ((*mask + 1) * size > KEEP_BYTES) {
+static void slots_trim(void **s, size_t *mask, size_t *cap, size_t size) {
+    if (*cap * size > KEEP_BYTES) {
         free(*s);
         *s = NULL;
-        *mask = 0;
+        *mask = *cap = 0;
     }
 }
 
-static void table_trim(Table *t) { slots_trim((void **)&t->s, &t->mask, sizeof(Slot)); }
+static void table_trim(Table *t) { slots_trim((void **)&t->s, &t->mask, &t->cap, sizeof(Slot)); }
 
 /* The id of hash `h` (assigning the next one if new); -1 to decline the value. */
 static inline int32_t hash_id(Table *t, PyObject *h, int32_t *next) {
@@ -364,6 +373,28 @@ static int mg_id(Window *w, int mid, int gid) {
 }
 
 /* Read every event of `events` into w.  1 on success, 0 to decline, -1 on error. */
+/* The hash ints and their id slots are the read's cache misses.  Both are
+ * fetched ahead: the int AHEAD * 2 hashes (or events) ahead, the slot of the
+ * one AHEAD ahead (its int has arrived).  Macros: GCC drops the calls of a
+ * function that only prefetches. */
+#define AHEAD 4
+#define PREFETCH_FIRST_HASH(src)                                                   \
+    do {                                                                           \
+        const Src *p_ = (src);                                                     \
+        if (p_->kind != K_CLEARED && p_->n > 0)                                    \
+            __builtin_prefetch(PyList_GET_ITEM(FIELD(p_->ev, p_->ti->off_hashes), 0)); \
+    } while (0)
+#define PREFETCH_FIRST_SLOT(t, src)                                                \
+    do {                                                                           \
+        const Src *p_ = (src);                                                     \
+        uint64_t v_;                                                               \
+        if (p_->kind != K_CLEARED && p_->n > 0) {                                  \
+            PyObject *h_ = PyList_GET_ITEM(FIELD(p_->ev, p_->ti->off_hashes), 0);  \
+            if (PyLong_CheckExact(h_) && long_u64(h_, &v_))                        \
+                __builtin_prefetch(&(t)->s[(size_t)mix64(v_) & (t)->mask]);        \
+        }                                                                          \
+    } while (0)
+
 static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     Py_ssize_t n = PyList_GET_SIZE(events);
     Py_ssize_t total = 0;
@@ -404,11 +435,15 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Src *s = &w->src[i];
         TypeInfo *ti = s->ti;
+        /* the first hash of the events ahead: its int, then its id slot */
+        if (i + 2 * AHEAD < n) PREFETCH_FIRST_HASH(&w->src[i + 2 * AHEAD]);
+        if (i + AHEAD < n) PREFETCH_FIRST_SLOT(&w->st->ids, &w->src[i + AHEAD]);
         if (s->kind == K_CLEARED) continue;
         PyObject *ev = s->ev;
         PyObject *hashes = FIELD(ev, ti->off_hashes);
         s->h0 = k;
         for (Py_ssize_t j = 0; j < s->n; j++) {
+            if (j + 2 * AHEAD < s->n) __builtin_prefetch(PyList_GET_ITEM(hashes, j + 2 * AHEAD));
             int32_t id = hash_id(&w->st->ids, PyList_GET_ITEM(hashes, j), &next);
             if (id < 0) return 0;
             w->hids[k++] = id;
@@ -1061,14 +1096,14 @@ typedef struct {
 
 typedef struct {
     RSlot *s;
-    size_t mask;
+    size_t mask, cap; /* as Table's */
     uint32_t gen;
 } RTable;
 
 static RTable g_rids; /* the payload path's (g_raw's) */
 
 static int rtable_init(RTable *t, Py_ssize_t n) {
-    return slots_init((void **)&t->s, &t->mask, &t->gen, sizeof(RSlot), n);
+    return slots_init((void **)&t->s, &t->mask, &t->cap, &t->gen, sizeof(RSlot), n);
 }
 
 static inline int32_t rhash_id(RTable *t, const unsigned char *base, const HV *h, int32_t *next) {
@@ -1549,7 +1584,7 @@ static PyObject *cc_compact_payload(PyObject *self, PyObject *args) {
                                    res.merged);
     }
     trim_all(st);
-    slots_trim((void **)&g_rids.s, &g_rids.mask, sizeof(RSlot));
+    slots_trim((void **)&g_rids.s, &g_rids.mask, &g_rids.cap, sizeof(RSlot));
     st->busy = 0;
     return result;
 }
