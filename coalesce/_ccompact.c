@@ -372,7 +372,6 @@ static int mg_id(Window *w, int mid, int gid) {
     return mg;
 }
 
-/* Read every event of `events` into w.  1 on success, 0 to decline, -1 on error. */
 /* The hash ints and their id slots are the read's cache misses.  Both are
  * fetched ahead: the int AHEAD * 2 hashes (or events) ahead, the slot of the
  * one AHEAD ahead (its int has arrived).  Macros: GCC drops the calls of a
@@ -395,6 +394,7 @@ static int mg_id(Window *w, int mid, int gid) {
         }                                                                          \
     } while (0)
 
+/* Read every event of `events` into w.  1 on success, 0 to decline, -1 on error. */
 static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     Py_ssize_t n = PyList_GET_SIZE(events);
     Py_ssize_t total = 0;
