@@ -165,6 +165,9 @@ static void slots_trim(void **s, size_t *mask, size_t *cap, size_t size) {
 
 static void table_trim(Table *t) { slots_trim((void **)&t->s, &t->mask, &t->cap, sizeof(Slot)); }
 
+/* Where a probe for the int or bytes hash `v` starts (the read's prefetches use it too). */
+static inline size_t id_home(const Table *t, uint64_t v) { return (size_t)mix64(v) & t->mask; }
+
 /* The id of hash `h` (assigning the next one if new); -1 to decline the value. */
 static inline int32_t hash_id(Table *t, PyObject *h, int32_t *next) {
     uint64_t v;
@@ -182,7 +185,7 @@ static inline int32_t hash_id(Table *t, PyObject *h, int32_t *next) {
     } else {
         return -1;
     }
-    size_t i = (size_t)mix64(v) & t->mask;
+    size_t i = id_home(t, v);
     for (;;) {
         Slot *s = &t->s[i];
         if (s->gen != t->gen) {
@@ -390,7 +393,7 @@ static int mg_id(Window *w, int mid, int gid) {
         if (p_->kind != K_CLEARED && p_->n > 0) {                                  \
             PyObject *h_ = PyList_GET_ITEM(FIELD(p_->ev, p_->ti->off_hashes), 0);  \
             if (PyLong_CheckExact(h_) && long_u64(h_, &v_))                        \
-                __builtin_prefetch(&(t)->s[(size_t)mix64(v_) & (t)->mask]);        \
+                __builtin_prefetch(&(t)->s[id_home((t), v_)]);                     \
         }                                                                          \
     } while (0)
 

@@ -293,10 +293,13 @@ static void table_delete(Table *t, size_t i) {
     t->used--;
 }
 
+/* Where a probe for hash `hh` starts (the prefetches ahead use it too). */
+static inline size_t home(const Table *t, uint64_t hh) { return (size_t)hh & t->mask; }
+
 /* The slot of node `h`, or of the empty slot where it would go (s[].i < 0). */
 static inline size_t node_slot(State *st, const HVal *h, uint64_t hh) {
     Table *t = &st->nt;
-    size_t i = (size_t)hh & t->mask;
+    size_t i = home(t, hh);
     for (;;) {
         Slot *s = &t->s[i];
         if (s->i < 0) return i;
@@ -305,10 +308,13 @@ static inline size_t node_slot(State *st, const HVal *h, uint64_t hh) {
     }
 }
 
-static inline int32_t node_find(State *st, const HVal *h) {
+/* The node of `h` (its hash `hh`), or -1. */
+static inline int32_t node_find_hh(State *st, const HVal *h, uint64_t hh) {
     if (st->nt.s == NULL) return -1;
-    return st->nt.s[node_slot(st, h, hval_hash(h))].i;
+    return st->nt.s[node_slot(st, h, hh)].i;
 }
+
+static inline int32_t node_find(State *st, const HVal *h) { return node_find_hh(st, h, hval_hash(h)); }
 
 /* A key's hash, from its node's hash (`nh`, hval_hash) and its pair: known
  * before the node is looked up, so that apply_ops can prefetch both slots. */
@@ -318,7 +324,7 @@ static inline uint64_t key_hash(uint64_t nh, int32_t mg) {
 
 static inline size_t key_slot(State *st, int32_t node, int32_t mg, uint64_t hh) {
     Table *t = &st->kt;
-    size_t i = (size_t)hh & t->mask;
+    size_t i = home(t, hh);
     for (;;) {
         Slot *s = &t->s[i];
         if (s->i < 0) return i;
@@ -509,8 +515,8 @@ static int read_event(State *st, PyObject *ev, TypeInfo *ti, Py_ssize_t *stored)
     do {                                                                           \
         if ((st)->nt.s != NULL && (st)->kt.s != NULL) {                            \
             uint64_t nh_ = hval_hash(h);                                           \
-            __builtin_prefetch(&(st)->nt.s[nh_ & (st)->nt.mask]);                  \
-            __builtin_prefetch(&(st)->kt.s[key_hash(nh_, (mg)) & (st)->kt.mask]);  \
+            __builtin_prefetch(&(st)->nt.s[home(&(st)->nt, nh_)]);                 \
+            __builtin_prefetch(&(st)->kt.s[home(&(st)->kt, key_hash(nh_, (mg)))]); \
         }                                                                          \
     } while (0)
 
@@ -651,9 +657,8 @@ static void apply_remove(State *st, const Op *op) {
     for (Py_ssize_t i = 0; i < op->n; i++) {
         if (i + PREFETCH < op->n) PREFETCH_HASH(st, &st->hv[op->h0 + i + PREFETCH], op->mg);
         const HVal *h = &st->hv[op->h0 + i];
-        if (st->nt.s == NULL) continue;
         uint64_t hh = hval_hash(h);
-        int32_t node = st->nt.s[node_slot(st, h, hh)].i;
+        int32_t node = node_find_hh(st, h, hh);
         if (node < 0) continue;
         uint64_t kh = key_hash(hh, op->mg);
         size_t ks = key_slot(st, node, op->mg, kh);
