@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_publish import make_batch
 
 from coalesce import compactor
-from coalesce._sender import FOLD_GAINS_BELOW
+from coalesce._sender import folding_pays
 from coalesce.events import KVEventBatch
 from coalesce.workload import Engine, WorkloadConfig
 
@@ -94,9 +94,9 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
         return [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
 
     def fold(w: Window) -> Any:  # the sender's fold-only level at its defaults
-        if sum(len(b.events) for b in w) >= FOLD_GAINS_BELOW * len(w):
-            return raw(w)  # big batches: sent as they are
-        return fold_all(w)
+        if folding_pays(sum(len(b.events) for b in w), len(w)):
+            return fold_all(w)
+        return raw(w)  # big batches: sent as they are
 
     def rules_c(w: Window) -> Any:
         compactor._accel = accel

@@ -62,6 +62,11 @@ replay entry) and costs a classifying pass and a list copy per event; at about
 256 events a batch the two are even (docs/benchmarks.md), and above it each
 batch is sent as it is."""
 
+
+def folding_pays(events: int, batches: int) -> bool:
+    """Whether the fold-only level folds a window of ``batches`` holding ``events``."""
+    return events < FOLD_GAINS_BELOW * batches
+
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
 Yielding after every step makes each step a GIL handoff (two context switches);
@@ -610,7 +615,7 @@ class Sender:
             # nothing to fold: compact() would only classify every event to return it
             self._send_one(window[0], self._in_flight[1])
             return window
-        if level == Level.FOLD_ONLY and self._in_flight[1] >= FOLD_GAINS_BELOW * len(window):
+        if level == Level.FOLD_ONLY and not folding_pays(self._in_flight[1], len(window)):
             self._send_each(window)  # big batches: folding them costs more than it saves
             return window
         sent = window
