@@ -10,6 +10,10 @@ go through four paths, timed in alternation and reported as medians:
   each on average), which it encodes batch by batch;
 - ``rules C``: ``compact()`` with the C accelerator, then encode;
 - ``rules py``: ``compact()`` with the pure-Python rules, then encode;
+- ``level``: what the sender's rules level does (object path): for each window,
+  the rules (C) or the fold, whichever its :class:`~coalesce._payoff.Payoff`
+  measured cheaper on the windows before (one in ``EXPLORE_EVERY`` the other);
+  ``rules ran`` is the share of windows that ran the rules;
 - ``payload``: the C rules on the folded (always), encoded window
   (``compact_payload``) alone: the work the sender does without the GIL, or
   what a separate coalescer process would spend on the payloads an
@@ -42,6 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_publish import make_batch
 
 from coalesce import compactor
+from coalesce._payoff import Payoff
 from coalesce._sender import folding_pays
 from coalesce.events import KVEventBatch
 from coalesce.workload import Engine, WorkloadConfig
@@ -84,7 +89,9 @@ def workloads(limit: int) -> dict[str, list[Window]]:
     }
 
 
-def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
+def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable[[Window], Any]]:
+    """The paths, each a function of one window; ``level`` adds to ``tally``
+    ([windows whose rules ran, windows])."""
     accel = compactor._accel
 
     def raw(w: Window) -> Any:
@@ -109,6 +116,17 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
         finally:
             compactor._accel = accel
 
+    payoff = Payoff()
+
+    def level(w: Window) -> Any:  # as Sender._send_object_window at the rules level
+        rules = payoff.rules_next()
+        t0 = time.perf_counter()
+        out = rules_c(w) if rules else fold(w)
+        payoff.record(rules, (time.perf_counter() - t0) / sum(len(b.events) for b in w))
+        tally[0] += rules
+        tally[1] += 1
+        return out
+
     folded: dict[int, list[bytes]] = {}
     never = 1 << 62  # time the work itself, not a GIL hand-off
 
@@ -126,12 +144,13 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
         "raw": raw,
         "fold": fold,
         "rules C": rules_c,
+        "level": level,
         "rules py": rules_py,
         "payload": payload,
         "fold+payload": fold_payload,
     }
     if accel is None:
-        del paths["rules C"], paths["payload"], paths["fold+payload"]
+        del paths["rules C"], paths["level"], paths["payload"], paths["fold+payload"]
     return paths
 
 
@@ -168,15 +187,18 @@ def alternate(
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
-    """Median seconds per event of each path over all the windows (see :func:`alternate`)."""
+def measure(windows: list[Window], seconds: float, rounds: int) -> tuple[dict[str, float], float]:
+    """Median seconds per event of each path over all the windows (see :func:`alternate`),
+    and the share of windows whose rules ran at the ``level`` path."""
+    tally = [0, 0]
 
     def over_windows(fn: Callable[[Window], Any]) -> Callable[[], Any]:
         return lambda: [fn(w) for w in windows]
 
-    paths = {k: over_windows(fn) for k, fn in _paths(msgspec.msgpack.Encoder()).items()}
+    paths = {k: over_windows(fn) for k, fn in _paths(msgspec.msgpack.Encoder(), tally).items()}
     events = sum(len(b.events) for w in windows for b in w)
-    return alternate(paths, events, seconds, rounds, slow={"rules py": 20})
+    per = alternate(paths, events, seconds, rounds, slow={"rules py": 20})
+    return per, tally[0] / max(tally[1], 1)
 
 
 def volume(windows: list[Window]) -> tuple[float, float]:
@@ -210,20 +232,22 @@ def main() -> None:
     )
     print(
         "| workload | batches/window | raw encode ns/event | fold+enc | rules C+enc "
-        "| rules py+enc | payload rules | fold+enc+payload | events out | bytes out |"
+        "| rules level | rules ran | rules py+enc | payload rules | fold+enc+payload "
+        "| events out | bytes out |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
-        per = measure(windows, args.seconds, args.rounds)
+        per, ran = measure(windows, args.seconds, args.rounds)
         events, nbytes = volume(windows)
         raw = per["raw"]
         c = f"{per['rules C'] / raw:.2f}x" if "rules C" in per else "n/a"
+        lv = f"{per['level'] / raw:.2f}x | {ran:.0%}" if "level" in per else "n/a | n/a"
         pl = f"{per['payload'] / raw:.2f}x" if "payload" in per else "n/a"
         fp = f"{per['fold+payload'] / raw:.2f}x" if "fold+payload" in per else "n/a"
         bpw = statistics.mean(len(w) for w in windows)
         print(
-            f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | "
+            f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | {lv} | "
             f"{per['rules py'] / raw:.1f}x | {pl} | {fp} | {events:.2f} | {nbytes:.2f} |",
             flush=True,
         )

@@ -28,6 +28,7 @@ import zmq
 
 from coalesce._backlog import Backlog, is_loss
 from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
+from coalesce._payoff import Payoff
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
@@ -66,6 +67,7 @@ batch is sent as it is."""
 def folding_pays(events: int, batches: int) -> bool:
     """Whether the fold-only level folds a window of ``batches`` holding ``events``."""
     return events < FOLD_GAINS_BELOW * batches
+
 
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
@@ -132,6 +134,7 @@ class Totals:
     fold_only_passes: int = 0
     messages_sent: int = 0
     payload_passes: int = 0
+    rules_skipped: int = 0
     seq_gaps: int = 0
 
     def add_pass(self, report: Any, fold_only: bool) -> None:
@@ -271,6 +274,7 @@ class Sender:
         self._skip_pending = False
         self._level = Level.ONE_TO_ONE
         self._escalated = False  # this pressure episode is fold-only
+        self._payoff = Payoff()  # whether the rules level's rules pay (object path)
         # The rules on the encoded window (C, mostly without the GIL), unless the
         # accelerator is not built or BlockMoved events are wanted (object rules only).
         self._payload_rules = (
@@ -608,29 +612,46 @@ class Sender:
 
     def _send_object_window(self, window: list[Any], level: Level, step: int) -> list[Any]:
         """The rules on the event objects (C or Python), then encode: the path when
-        the payload path is off.  Returns the batches the recorder must see."""
+        the payload path is off.  Returns the batches the recorder must see.
+
+        At the rules level the rules run only while they cost less than folding
+        alone, as measured on this stream's recent windows (:mod:`coalesce._payoff`);
+        otherwise the window is only folded (``rules_skipped``)."""
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
             level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
             self._send_one(window[0], self._in_flight[1])
             return window
-        if level == Level.FOLD_ONLY and not folding_pays(self._in_flight[1], len(window)):
+        fold_pays = folding_pays(self._in_flight[1], len(window))
+        if level == Level.FOLD_ONLY and not fold_pays:
             self._send_each(window)  # big batches: folding them costs more than it saves
             return window
-        sent = window
-        try:
-            out, rep = compact(
-                window, move_events=self._settings.move_events, fold_only=level == Level.FOLD_ONLY
-            )
-        except Exception as exc:  # a value the rules cannot handle: send the window as given
-            self._compaction_failed(exc)
-            self._send_each(window)
+        rules = level == Level.RULES and self._payoff.rules_next()
+        t0 = time.perf_counter()
+        if not rules and not fold_pays:  # the rules level's fold-only way, for big batches
+            out, rep = window, None
         else:
-            if self._send_all(out, window):
-                self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
-                sent = out  # the same final state as the window's, in fewer events
-        return sent
+            try:
+                out, rep = compact(
+                    window, move_events=self._settings.move_events, fold_only=not rules
+                )
+            except Exception as exc:  # a value the rules cannot handle: send the window as given
+                self._compaction_failed(exc)
+                self._send_each(window)
+                return window
+        payloads = self._encode_all(out)
+        if payloads is None:  # one would not encode: the originals one by one
+            self._send_each(window)
+            return window
+        if level == Level.RULES:  # compaction and encoding, both holding the GIL
+            self._payoff.record(rules, (time.perf_counter() - t0) / max(self._in_flight[1], 1))
+            self.totals.rules_skipped += not rules
+        for b, payload in zip(out, payloads, strict=True):
+            self._emit(payload, _n_events(b))
+        if rep is not None:
+            self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
+        return out
 
     def _lost(self, marker: Any) -> None:
         """A loss marker: skip a seq; the recorder still gets what was refused."""
@@ -671,17 +692,12 @@ class Sender:
 
     # -- encode and send ---------------------------------------------------------
 
-    def _send_all(self, batches: list[Any], originals: list[Any]) -> bool:
-        """Encode every compacted batch first and send them; if one fails to encode,
-        send the originals one by one instead.  Returns True if the compacted ones went."""
+    def _encode_all(self, batches: list[Any]) -> list[bytes] | None:
+        """Every batch encoded, or None if one fails to (nothing is sent here)."""
         try:
-            payloads = [self._encoder.encode(b) for b in batches]
+            return [self._encoder.encode(b) for b in batches]
         except Exception:
-            self._send_each(originals)
-            return False
-        for b, payload in zip(batches, payloads, strict=True):
-            self._emit(payload, _n_events(b))
-        return True
+            return None
 
     def _send_taken(self, batch: Any, n_events: int) -> None:
         """Send one batch taken from the backlog on its own, and finish with it."""

@@ -61,6 +61,10 @@ class PublisherStats:
         "Of those, steps whose rules ran on the encoded window (the C payload path, "
         "without the GIL for big windows) instead of on the event objects."
     )
+    rules_skipped: int = _counter(
+        "Windows at the rules level only folded: on this stream the rules measured "
+        "costlier than the encoding they save (docs/backpressure.md)."
+    )
     backlog_batches: int = _gauge("Batches waiting for the sender right now (staged or not).")
     backlog_events: int = _gauge(
         "Events waiting for the sender right now (what max_pending_events bounds)."

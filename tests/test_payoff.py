@@ -1,0 +1,141 @@
+"""The rules level's measured choice: run the rules only while they cost less than folding."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, ClassVar
+
+import pytest
+
+from coalesce import CoalescingPublisher, KVEventBatch, PublishOutcome
+from coalesce._payoff import EXPLORE_FIRST, EXPLORE_MAX, SAMPLES, Payoff
+from tests.conftest import assert_every_model_agrees, decode, held, inproc
+from tests.test_publisher import offload_batch
+
+
+@pytest.fixture
+def pubs():
+    made: list[CoalescingPublisher] = []
+
+    def make(**kw: Any) -> CoalescingPublisher:
+        made.append(CoalescingPublisher(**kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.shutdown()
+
+
+def decisions(p: Payoff, n: int, rules_cost: float, fold_cost: float) -> list[bool]:
+    """``n`` windows of a stream whose windows cost these (seconds per event)."""
+    out = []
+    for _ in range(n):
+        rules = p.rules_next()
+        p.record(rules, rules_cost if rules else fold_cost)
+        out.append(rules)
+    return out
+
+
+def test_each_side_is_tried_before_either_is_chosen():
+    p = Payoff()
+    assert p.rules_next() is True and p.costs() == (None, None)
+    p.record(True, 2e-7)
+    assert p.rules_next() is False  # folding not measured yet
+    p.record(False, 1e-7)
+    assert p.costs() == (2e-7, 1e-7)
+    assert p.rules_next() is False  # the cheaper side
+
+
+@pytest.mark.parametrize("rules_cost", [1e-7, 3e-7])
+def test_the_cheaper_side_runs_and_the_other_is_tried_ever_more_rarely(rules_cost):
+    p = Payoff()
+    got = decisions(p, 2000, rules_cost, 2e-7)[2:]  # after one window each way
+    chosen = rules_cost < 2e-7
+    explored = [i for i, r in enumerate(got) if r is not chosen]
+    gaps = [b - a for a, b in itertools.pairwise([-1, *explored])]
+    assert gaps[0] == EXPLORE_FIRST
+    assert gaps[:6] == [EXPLORE_FIRST * 2**k for k in range(6)]
+    assert max(gaps) == EXPLORE_MAX and len(explored) < 2000 // EXPLORE_MAX + 8
+
+
+def test_one_slow_window_does_not_decide():
+    """A preempted window (a thousand times slower) is outvoted by the median."""
+    p = Payoff()
+    decisions(p, 50, 1e-7, 2e-7)
+    p.record(True, 1e-4)
+    assert p.costs()[0] == 1e-7 and p.rules_next() is True
+
+
+def test_a_near_tie_does_not_flip():
+    p = Payoff()
+    got = decisions(p, 200, 1e-7, 0.97e-7)  # folding 3% cheaper: within MARGIN
+    assert got[2:].count(False) < 10
+
+
+def test_a_stream_that_changes_changes_the_choice_soon():
+    p = Payoff()
+    assert decisions(p, 3000, 1e-7, 2e-7)[-1] is True  # explored only every EXPLORE_MAX
+    got = decisions(p, EXPLORE_MAX + 6 * EXPLORE_FIRST * SAMPLES, 5e-7, 2e-7)
+    assert got[-EXPLORE_FIRST:].count(True) <= 1  # the rules now cost more: folding
+    assert got.index(False) <= EXPLORE_MAX
+
+
+class _Never(Payoff):
+    """A stream on which the rules never pay (what a slow machine or a workload with
+    nothing to cancel or merge would measure)."""
+
+    recorded: ClassVar[list[tuple[bool, float]]] = []
+
+    def rules_next(self) -> bool:
+        return False
+
+    def record(self, rules: bool, seconds_per_event: float) -> None:
+        self.recorded.append((rules, seconds_per_event))
+
+
+def test_where_the_rules_do_not_pay_the_rules_level_only_folds(pubs, make_sub, monkeypatch):
+    import coalesce._sender as sender
+
+    monkeypatch.setattr(sender, "Payoff", _Never)
+    _Never.recorded = []
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6)
+    batches: list[Any] = [offload_batch(i) for i in range(600)]
+    with held(p):
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    st = p.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    received: list[KVEventBatch] = [decode(m[2]) for m in msgs]
+    assert st.rules_skipped > 0 and st.batches_folded > 0 and len(received) < len(batches)
+    assert st.events_merged == st.blocks_cancelled == 0  # no rule ran
+    assert st.events_sent == st.events_in and st.batches_dropped == st.seq_gaps == 0
+    assert _Never.recorded and all(not r and s > 0 for r, s in _Never.recorded)
+    assert_every_model_agrees(batches, received)
+
+
+def test_where_the_rules_pay_they_run_and_their_cost_is_recorded(pubs, make_sub, monkeypatch):
+    import coalesce._sender as sender
+
+    class Always(_Never):
+        def rules_next(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sender, "Payoff", Always)
+    Always.recorded = []
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6)
+    batches: list[Any] = [offload_batch(i) for i in range(600)]
+    with held(p):
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    st = p.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    received = [decode(m[2]) for m in msgs]
+    assert st.rules_skipped == 0 and st.events_merged > 0 and st.events_sent < st.events_in
+    assert Always.recorded and all(r and s > 0 for r, s in Always.recorded)
+    assert_every_model_agrees(batches, received)
