@@ -6,17 +6,23 @@ the stream, but on the event objects they cost about as much as the encoding
 they save on a workload with many cancellations and chains, and far more on
 one they barely shrink (docs/benchmarks.md, "Compaction's price").  Which way
 is cheaper depends on the stream, so the sender measures both and runs the
-rules only while they are: each window's cost (the compaction and the
+rules only while they are.  Each window's cost (the compaction and the
 encoding of its result, both holding the GIL, so wall time is the thread's
-CPU time barring preemption) per event of the window goes into the side it
-was spent on, and the cheaper side's median decides the next window.  Now
-and then a window goes the other way, so that a stream that changes is
-noticed: after :data:`EXPLORE_FIRST` windows, then at twice the interval each
-time the other way is confirmed dearer (up to :data:`EXPLORE_MAX`), and back
-to the first interval when it looked cheaper.  Mixing the two ways costs
-more than either (measured: docs/benchmarks.md), hence the back-off; the
-switch needs the other side cheaper by :data:`MARGIN`, so that a near tie
-does not flip at every window.
+CPU time barring preemption) per event of the window is timed.  Most windows
+go the chosen way; now and then one goes the other way, and its cost over
+the median of the chosen way's last windows is one ratio.  The other way
+takes over when the median of the last ratios is under its threshold:
+folding when it costs under :data:`FOLD_TAKES_OVER` times the rules, the
+rules when they cost under :data:`RULES_TAKE_OVER` times folding.  The band
+between is the noise of a median of such timings here (about 15%), and in
+it the rules are kept: at an even price, a smaller stream is worth having.
+Ratios, not costs, are compared because this machine's speed drifts by tens
+of per cent within seconds, and each ratio is of windows timed moments
+apart.  The other way is tried after :data:`EXPLORE_FIRST` windows, then at
+twice the interval each time it is confirmed dearer (up to
+:data:`EXPLORE_MAX`), and again after :data:`EXPLORE_FIRST` once it looked
+cheaper: mixing the two ways costs more than either (docs/benchmarks.md),
+hence the back-off.
 
 Pure bookkeeping: no clock, no I/O; the sender times the windows.
 """
@@ -25,20 +31,30 @@ from __future__ import annotations
 
 from collections import deque
 
-__all__ = ["EXPLORE_FIRST", "EXPLORE_MAX", "MARGIN", "SAMPLES", "Payoff"]
+__all__ = [
+    "EXPLORE_FIRST",
+    "EXPLORE_MAX",
+    "FOLD_TAKES_OVER",
+    "RULES_TAKE_OVER",
+    "SAMPLES",
+    "Payoff",
+]
 
 SAMPLES = 7
-"""Windows remembered per side; their median is the side's cost (one slow,
-preempted window does not decide)."""
+"""Windows remembered per way, and ratios remembered; medians of them decide
+(one slow, preempted window does not)."""
 
 EXPLORE_FIRST = 8
-"""Windows the chosen way before the first one the other way."""
+"""Windows the chosen way before one the other way (after a cheaper-looking one)."""
 
 EXPLORE_MAX = 256
 """The longest interval between windows the other way."""
 
-MARGIN = 0.95
-"""The other side must cost under this times the chosen side to be chosen."""
+FOLD_TAKES_OVER = 0.8
+"""Folding alone replaces the rules when it costs under this times the rules."""
+
+RULES_TAKE_OVER = 1.05
+"""The rules replace folding alone when they cost under this times folding."""
 
 
 def _median(xs: deque[float]) -> float:
@@ -47,55 +63,56 @@ def _median(xs: deque[float]) -> float:
 
 
 class Payoff:
-    """Seconds per event of the rules and of folding alone, for the windows of one stream.
+    """Which way the rules level sends the windows of one stream: rules, or fold only.
 
     :meth:`rules_next` and :meth:`record` are O(:data:`SAMPLES`).
     """
 
-    __slots__ = ("_every", "_exploring", "_fold", "_rules", "_since", "_use_rules")
+    __slots__ = ("_costs", "_every", "_ratios", "_rules", "_since")
 
     def __init__(self) -> None:
-        self._rules: deque[float] = deque(maxlen=SAMPLES)
-        self._fold: deque[float] = deque(maxlen=SAMPLES)
-        self._use_rules = True
+        self._rules = True  # the chosen way
+        self._costs: dict[bool, deque[float]] = {
+            True: deque(maxlen=SAMPLES),
+            False: deque(maxlen=SAMPLES),
+        }
+        self._ratios: deque[float] = deque(maxlen=SAMPLES)  # other way / chosen way
         self._since = 0  # windows the chosen way since the last one the other way
         self._every = EXPLORE_FIRST
-        self._exploring = False
 
     def rules_next(self) -> bool:
         """Whether the next window should run the rules (else: fold only).
 
-        A side not measured yet is tried first (the rules, then folding).
+        The rules are tried first, folding second.
         """
-        if not self._rules:
-            return True
-        if not self._fold:
-            return False
+        chosen = self._rules
+        if not self._costs[chosen]:
+            return chosen
+        if not self._costs[not chosen]:
+            return not chosen
         self._since += 1
-        self._exploring = self._since >= self._every
-        if self._exploring:
+        if self._since >= self._every:
             self._since = 0
-            return not self._use_rules
-        return self._use_rules
+            return not chosen
+        return chosen
 
     def record(self, rules: bool, seconds_per_event: float) -> None:
-        """What one window cost, per event of the window, on the side it went."""
-        mine, other = (self._rules, self._fold) if rules else (self._fold, self._rules)
-        if self._exploring and other:  # was the other way cheaper this time?
-            cheaper = seconds_per_event < MARGIN * _median(other)
-            self._every = EXPLORE_FIRST if cheaper else min(2 * self._every, EXPLORE_MAX)
-            self._exploring = False
-        mine.append(seconds_per_event)
-        if self._rules and self._fold:
-            r, f = _median(self._rules), _median(self._fold)
-            if self._use_rules and f < MARGIN * r:
-                self._use_rules = False
-            elif not self._use_rules and r < MARGIN * f:
-                self._use_rules = True
+        """What one window cost, per event of the window, on the way it went."""
+        chosen = self._costs[self._rules]
+        if rules != self._rules and chosen:  # the other way, beside the chosen way's
+            ratio = seconds_per_event / max(_median(chosen), 1e-12)
+            self._ratios.append(ratio)
+            bar = RULES_TAKE_OVER if rules else FOLD_TAKES_OVER
+            self._every = EXPLORE_FIRST if ratio < bar else min(2 * self._every, EXPLORE_MAX)
+            if _median(self._ratios) < bar:  # the other way is cheaper: it takes over
+                self._rules = rules
+                self._ratios = deque((1 / r for r in self._ratios), maxlen=SAMPLES)
+                self._every = EXPLORE_FIRST
+                self._since = 0
+        self._costs[rules].append(seconds_per_event)
 
     def costs(self) -> tuple[float | None, float | None]:
-        """The medians (rules, fold), None for a side not measured yet."""
-        return (
-            _median(self._rules) if self._rules else None,
-            _median(self._fold) if self._fold else None,
-        )
+        """The medians of the last windows each way (rules, fold); None for a way
+        not timed yet."""
+        r, f = self._costs[True], self._costs[False]
+        return (_median(r) if r else None, _median(f) if f else None)
