@@ -24,10 +24,12 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
+import msgspec
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
 from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
+from coalesce._kinds import is_kv_batch
 from coalesce._payoff import Payoff
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
@@ -275,6 +277,7 @@ class Sender:
         self._level = Level.ONE_TO_ONE
         self._escalated = False  # this pressure episode is fold-only
         self._payoff = Payoff()  # whether the rules level's rules pay (object path)
+        self._payoff_big = Payoff()  # the same, on single batches larger than a window
         # The rules on the encoded window (C, mostly without the GIL), unless the
         # accelerator is not built or BlockMoved events are wanted (object rules only).
         self._payload_rules = (
@@ -440,18 +443,21 @@ class Sender:
         """One bounded unit of work: a 1:1 send, or one compaction window.
 
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
-        Above it: fold and apply every rule, ``max_events_per_step`` events at
-        a time.  If a pass loses ground (more events pending after it than
-        before), or more than ``fold_only_events`` are pending: the fold-only
-        level, 4x larger windows, until the backlog is back under the
-        watermark.  With ``payload_rules`` (and the C accelerator, and no
-        ``move_events``) both levels run the rules on the encoded window,
-        mostly without the GIL, so the GIL is held for folding and encoding
-        only, and a single batch larger than a window is compacted too.
-        Otherwise (the default) the rules run on the objects at the rules
-        level only, a single oversized batch is only sent (one encode: the
-        longest GIL hold), and the fold-only level drains at encoding speed
-        (a window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).
+        Above it: fold, ``max_events_per_step`` events at a time, and apply
+        every rule.  On the event objects (the default) the rules run only
+        while they are timed cheaper than folding alone on this stream
+        (:mod:`coalesce._payoff`), and a single batch larger than a window is
+        compacted in parts of a window each under the same test; otherwise
+        it is encoded as it is (one encode: the longest GIL hold).  More than
+        ``fold_only_events`` pending (far behind, nearing the event budget):
+        the fold-only level, 4x larger windows, until the backlog is back
+        under the watermark, where a window of big batches
+        (``FOLD_GAINS_BELOW``) is sent batch by batch.  With ``payload_rules``
+        (and the C accelerator, and no ``move_events``) both levels run the
+        rules on the encoded window, mostly without the GIL, so the GIL is
+        held for folding and encoding only; there a pass that loses ground
+        (more events pending after it than before) also moves to the
+        fold-only level.
         Past ``high_watermark`` batches in the hand-off deque, the sender
         first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
@@ -507,8 +513,14 @@ class Sender:
                     record(b)
             self.done += len(window)
         self._in_flight = (0, 0)
-        if level == Level.RULES and backlog.pending_events >= events_before:
-            self._escalated = True  # the rules cost more than they save: fold only
+        if (
+            level == Level.RULES
+            and backlog.pending_events >= events_before
+            and (self._payload_rules or self._link is not None)
+        ):
+            # The rules on the bytes lost ground: fold only.  (On the objects, the
+            # rules level measures whether the rules pay, window by window.)
+            self._escalated = True
 
     def _stage_if_behind(self) -> None:
         """Under pressure, free the batch budget (O(1) per batch staged)."""
@@ -618,7 +630,7 @@ class Sender:
         alone, as measured on this stream's recent windows (:mod:`coalesce._payoff`);
         otherwise the window is only folded (``rules_skipped``)."""
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
-            level = Level.FOLD_ONLY  # one oversized batch: the rules alone would hold the GIL
+            return self._send_big(window[0], step)
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
             self._send_one(window[0], self._in_flight[1])
@@ -652,6 +664,50 @@ class Sender:
         if rep is not None:
             self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
         return out
+
+    def _send_big(self, batch: Any, step: int) -> list[Any]:
+        """One batch larger than a window, at the rules level: the rules on each
+        ``step`` events of it in turn (each a batch of its own, sent in order,
+        the GIL handed over between them), while they pay on such batches
+        (a :class:`Payoff` of their own); else sent as it is, in one encode.
+        Returns the batches the recorder must see."""
+        n = self._in_flight[1]
+        events = batch.events
+        kv = is_kv_batch(batch)  # O(events) in C: a set of the event classes
+        if not (kv and self._payoff_big.rules_next()):
+            t0 = time.perf_counter()
+            encoded = self._encode_all([batch])
+            if encoded is None:
+                self._send_one(batch, n)  # lost, visibly
+                return [batch]
+            if kv:
+                self._payoff_big.record(False, (time.perf_counter() - t0) / max(n, 1))
+            self._emit(encoded[0], n)
+            return [batch]
+        sent: list[Any] = []
+        spent = 0.0
+        for i in range(0, len(events), step):
+            part = msgspec.structs.replace(batch, events=events[i : i + step])
+            t0 = time.perf_counter()
+            try:
+                out, rep = compact([part], move_events=self._settings.move_events)
+            except Exception as exc:  # a value the rules cannot handle: this part as given
+                self._compaction_failed(exc)
+                out, rep = [part], None
+            payloads = self._encode_all(out)
+            spent += time.perf_counter() - t0
+            if payloads is None:  # this part as given (encoded, or lost visibly)
+                self._send_one(part, len(part.events))
+                sent.append(part)
+            else:
+                for b, payload in zip(out, payloads, strict=True):
+                    self._emit(payload, _n_events(b))
+                sent += out
+                if rep is not None:
+                    self.totals.add_pass(rep, fold_only=False)
+            self._maybe_yield()
+        self._payoff_big.record(True, spent / max(n, 1))
+        return sent
 
     def _lost(self, marker: Any) -> None:
         """A loss marker: skip a seq; the recorder still gets what was refused."""

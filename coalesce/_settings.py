@@ -93,7 +93,8 @@ class Settings:
     payload_rules: bool = _knob(False, parse_flag)
     """Under backpressure, run the rules on the encoded window, in C, in a helper thread
     without the GIL (needs the C accelerator; not with ``move_events``); off: on the
-    event objects, with the GIL, and only while the sender keeps up."""
+    event objects, with the GIL, and only while they are timed cheaper than folding
+    alone on the stream being sent."""
     coalescer: str = _knob("thread", _coalescer)
     """Where the compaction rules, the PUB socket, the replay buffer and the snapshot
     recorder live: ``thread``, the sender thread in the engine's process; ``process``,
@@ -103,9 +104,10 @@ class Settings:
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = _knob(512, _positive_int)
     """Events one compaction step takes (bounds each GIL hold of the sender)."""
-    fold_only_events: int = _knob(2048, _positive_int)
-    """Pending events beyond which the sender only folds; it also folds only once a
-    pass of the rules has lost ground."""
+    fold_only_events: int = _knob(500_000, _positive_int)
+    """Pending events beyond which the sender only folds, in 4x larger windows (far
+    behind, nearing the event budget); with ``payload_rules`` or a coalescer process it
+    also folds only once a pass of the rules has lost ground."""
     stall_timeout: float = _knob(1.0, _seconds)
     """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
     sender takes nothing from it before publish() refuses batches on that count; 0

@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from coalesce import CoalescingPublisher, KVEventBatch, PublishOutcome
+from coalesce import BlockRemoved, CoalescingPublisher, KVEventBatch, PublishOutcome
 from coalesce._payoff import EXPLORE_FIRST, EXPLORE_MAX, SAMPLES, Payoff
 from tests.conftest import assert_every_model_agrees, decode, held, inproc
-from tests.test_publisher import offload_batch
+from tests.test_publisher import offload_batch, store
 
 
 @pytest.fixture
@@ -159,4 +159,44 @@ def test_where_the_rules_pay_they_run_and_their_cost_is_recorded(pubs, make_sub,
     received = [decode(m[2]) for m in msgs]
     assert st.rules_skipped == 0 and st.events_merged > 0 and st.events_sent < st.events_in
     assert Always.recorded and all(r and s > 0 for r, s in Always.recorded)
+    assert_every_model_agrees(batches, received)
+
+
+def chain(first: int, n: int) -> KVEventBatch:
+    """One batch of ``n`` chained single-block stores (vLLM's long prompt), the last
+    half of them removed again: the rules merge and cancel most of it."""
+    evs: list[Any] = [store(first + j, (first + j - 1) if j else None) for j in range(n)]
+    evs += [BlockRemoved([first + j], "GPU") for j in range(n // 2, n)]
+    return KVEventBatch(1.0, evs, None)
+
+
+@pytest.mark.parametrize("rules_pay", [True, False])
+def test_a_batch_larger_than_a_window_is_compacted_in_parts_while_that_pays(
+    pubs, make_sub, monkeypatch, rules_pay
+):
+    import coalesce._sender as sender
+
+    class Forced(_Never):
+        def rules_next(self) -> bool:
+            return rules_pay
+
+    monkeypatch.setattr(sender, "Payoff", Forced)
+    Forced.recorded = []
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6, max_events_per_step=64)
+    batches = [chain(1000, 600)] + [offload_batch(i) for i in range(4)]
+    with held(p):
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    st = p.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    received = [decode(m[2]) for m in msgs]
+    assert st.batches_dropped == st.seq_gaps == 0
+    if rules_pay:  # in parts of 64 events (900 events: 15 parts), each compacted
+        assert len(received) >= 15 and st.events_sent < st.events_in // 2
+    else:  # as it was published, in one message
+        assert received[0] == batches[0] and st.events_sent == st.events_in
+    assert Forced.recorded and all(r is rules_pay and s > 0 for r, s in Forced.recorded)
     assert_every_model_agrees(batches, received)
