@@ -29,13 +29,19 @@ import zmq
 
 from coalesce._backlog import Backlog, is_loss
 from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
-from coalesce._kinds import is_kv_batch
 from coalesce._payoff import Payoff
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
 from coalesce._wire import Encoder, open_sockets, send_message
-from coalesce.compactor import PAYLOAD_RELEASE_AT, accelerated, compact, compact_payload, rule_stats
+from coalesce.compactor import (
+    PAYLOAD_RELEASE_AT,
+    accelerated,
+    compact,
+    compact_payload,
+    compactable,
+    rule_stats,
+)
 
 __all__ = ["Level", "PayloadWorker", "Sender"]
 
@@ -673,22 +679,22 @@ class Sender:
         Returns the batches the recorder must see."""
         n = self._in_flight[1]
         events = batch.events
-        kv = is_kv_batch(batch)  # O(events) in C: a set of the event classes
-        if not (kv and self._payoff_big.rules_next()):
+        # (not a KV batch: never cut in parts; the check, O(events) in C, only when
+        # the rules would run)
+        if not (self._payoff_big.rules_next() and compactable(batch)):
             t0 = time.perf_counter()
             encoded = self._encode_all([batch])
             if encoded is None:
                 self._send_one(batch, n)  # lost, visibly
                 return [batch]
-            if kv:
-                self._payoff_big.record(False, (time.perf_counter() - t0) / max(n, 1))
+            self._payoff_big.record(False, (time.perf_counter() - t0) / max(n, 1))
             self._emit(encoded[0], n)
             return [batch]
         sent: list[Any] = []
         spent = 0.0
         for i in range(0, len(events), step):
-            part = msgspec.structs.replace(batch, events=events[i : i + step])
             t0 = time.perf_counter()
+            part = msgspec.structs.replace(batch, events=events[i : i + step])
             try:
                 out, rep = compact([part], move_events=self._settings.move_events)
             except Exception as exc:  # a value the rules cannot handle: this part as given

@@ -79,7 +79,14 @@ try:
 except ImportError:
     _accel = None
 
-__all__ = ["CompactionReport", "accelerated", "compact", "compact_payload", "rule_stats"]
+__all__ = [
+    "CompactionReport",
+    "accelerated",
+    "compact",
+    "compact_payload",
+    "compactable",
+    "rule_stats",
+]
 
 # Fields that hold one entry per block, or describe the chain: they are what a
 # chain merge concatenates, so they are not part of the "all other fields equal" test.
@@ -555,6 +562,13 @@ def _is_kv_batch(batch: Any) -> bool:
         if _accel.all_known(events):
             return True
     return all_kv_classes(classes)
+
+
+def compactable(batch: Any) -> bool:
+    """Whether :func:`compact` would fold and compact ``batch`` (every event a KV
+    event it knows), rather than return it untouched.  O(events): one type
+    lookup per event, in C with the accelerator."""
+    return _is_kv_batch(batch)
 
 
 def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:

@@ -101,65 +101,58 @@ def test_a_machine_that_slows_down_does_not_make_the_chosen_way_look_dearer():
     assert got[2:].count(False) < 3000 // EXPLORE_MAX + 8
 
 
-class _Never(Payoff):
-    """A stream on which the rules never pay (what a slow machine or a workload with
-    nothing to cancel or merge would measure)."""
+class _Forced(Payoff):
+    """A stream on which the rules always (``pay``) or never pay, whatever the clock
+    says (a slow machine, or a workload with nothing to cancel or merge, would
+    measure the second); what the sender recorded is kept."""
 
+    pay = False
     recorded: ClassVar[list[tuple[bool, float]]] = []
 
     def rules_next(self) -> bool:
-        return False
+        return self.pay
 
     def record(self, rules: bool, seconds_per_event: float) -> None:
         self.recorded.append((rules, seconds_per_event))
 
 
-def test_where_the_rules_do_not_pay_the_rules_level_only_folds(pubs, make_sub, monkeypatch):
+def run_held(
+    pubs: Any, make_sub: Any, monkeypatch: Any, pay: bool, batches: list[Any], **kw: Any
+) -> tuple[Any, list[Any]]:
+    """Publish ``batches`` with the sender held (so it finds them all waiting) and the
+    rules forced to pay or not; the publisher's stats and what a subscriber received."""
     import coalesce._sender as sender
 
-    monkeypatch.setattr(sender, "Payoff", _Never)
-    _Never.recorded = []
+    monkeypatch.setattr(_Forced, "pay", pay)
+    monkeypatch.setattr(_Forced, "recorded", [])
+    monkeypatch.setattr(sender, "Payoff", _Forced)
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6)
-    batches: list[Any] = [offload_batch(i) for i in range(600)]
+    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6, **kw)
     with held(p):
         for b in batches:
             assert p.publish(b) is PublishOutcome.QUEUED
     assert p.flush(10)
     st = p.stats()
-    msgs = sub.recv_until_seq(st.messages_sent - 1)
-    received: list[KVEventBatch] = [decode(m[2]) for m in msgs]
+    received = [decode(m[2]) for m in sub.recv_until_seq(st.messages_sent - 1)]
+    assert st.batches_dropped == st.seq_gaps == 0
+    assert _Forced.recorded and all(r is pay and s > 0 for r, s in _Forced.recorded)
+    assert_every_model_agrees(batches, received)
+    return st, received
+
+
+def test_where_the_rules_do_not_pay_the_rules_level_only_folds(pubs, make_sub, monkeypatch):
+    batches: list[Any] = [offload_batch(i) for i in range(600)]
+    st, received = run_held(pubs, make_sub, monkeypatch, False, batches)
     assert st.rules_skipped > 0 and st.batches_folded > 0 and len(received) < len(batches)
     assert st.events_merged == st.blocks_cancelled == 0  # no rule ran
-    assert st.events_sent == st.events_in and st.batches_dropped == st.seq_gaps == 0
-    assert _Never.recorded and all(not r and s > 0 for r, s in _Never.recorded)
-    assert_every_model_agrees(batches, received)
+    assert st.events_sent == st.events_in
 
 
 def test_where_the_rules_pay_they_run_and_their_cost_is_recorded(pubs, make_sub, monkeypatch):
-    import coalesce._sender as sender
-
-    class Always(_Never):
-        def rules_next(self) -> bool:
-            return True
-
-    monkeypatch.setattr(sender, "Payoff", Always)
-    Always.recorded = []
-    ep = inproc("pub")
-    sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6)
     batches: list[Any] = [offload_batch(i) for i in range(600)]
-    with held(p):
-        for b in batches:
-            assert p.publish(b) is PublishOutcome.QUEUED
-    assert p.flush(10)
-    st = p.stats()
-    msgs = sub.recv_until_seq(st.messages_sent - 1)
-    received = [decode(m[2]) for m in msgs]
+    st, _ = run_held(pubs, make_sub, monkeypatch, True, batches)
     assert st.rules_skipped == 0 and st.events_merged > 0 and st.events_sent < st.events_in
-    assert Always.recorded and all(r and s > 0 for r, s in Always.recorded)
-    assert_every_model_agrees(batches, received)
 
 
 def chain(first: int, n: int) -> KVEventBatch:
@@ -170,33 +163,13 @@ def chain(first: int, n: int) -> KVEventBatch:
     return KVEventBatch(1.0, evs, None)
 
 
-@pytest.mark.parametrize("rules_pay", [True, False])
+@pytest.mark.parametrize("pay", [True, False])
 def test_a_batch_larger_than_a_window_is_compacted_in_parts_while_that_pays(
-    pubs, make_sub, monkeypatch, rules_pay
+    pubs, make_sub, monkeypatch, pay
 ):
-    import coalesce._sender as sender
-
-    class Forced(_Never):
-        def rules_next(self) -> bool:
-            return rules_pay
-
-    monkeypatch.setattr(sender, "Payoff", Forced)
-    Forced.recorded = []
-    ep = inproc("pub")
-    sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6, max_events_per_step=64)
     batches = [chain(1000, 600)] + [offload_batch(i) for i in range(4)]
-    with held(p):
-        for b in batches:
-            assert p.publish(b) is PublishOutcome.QUEUED
-    assert p.flush(10)
-    st = p.stats()
-    msgs = sub.recv_until_seq(st.messages_sent - 1)
-    received = [decode(m[2]) for m in msgs]
-    assert st.batches_dropped == st.seq_gaps == 0
-    if rules_pay:  # in parts of 64 events (900 events: 15 parts), each compacted
+    st, received = run_held(pubs, make_sub, monkeypatch, pay, batches, max_events_per_step=64)
+    if pay:  # in parts of 64 events (900 events: 15 parts), each compacted
         assert len(received) >= 15 and st.events_sent < st.events_in // 2
     else:  # as it was published, in one message
         assert received[0] == batches[0] and st.events_sent == st.events_in
-    assert Forced.recorded and all(r is rules_pay and s > 0 for r, s in Forced.recorded)
-    assert_every_model_agrees(batches, received)
