@@ -712,6 +712,7 @@ class Sender:
                 if rep is not None:
                     self.totals.add_pass(rep, fold_only=False)
             self._maybe_yield()
+            self._stage_if_behind()  # between parts, keep the batch budget free (as _step)
         self._payoff_big.record(True, spent / max(n, 1))
         return sent
 
