@@ -452,18 +452,18 @@ class Sender:
         Above it: fold, ``max_events_per_step`` events at a time, and apply
         every rule.  On the event objects (the default) the rules run only
         while they are timed cheaper than folding alone on this stream
-        (:mod:`coalesce._payoff`), and a single batch larger than a window is
-        compacted in parts of a window each under the same test; otherwise
-        it is encoded as it is (one encode: the longest GIL hold).  More than
-        ``fold_only_events`` pending (far behind, nearing the event budget):
-        the fold-only level, 4x larger windows, until the backlog is back
-        under the watermark, where a window of big batches
-        (``FOLD_GAINS_BELOW``) is sent batch by batch.  With ``payload_rules``
-        (and the C accelerator, and no ``move_events``) both levels run the
-        rules on the encoded window, mostly without the GIL, so the GIL is
-        held for folding and encoding only; there a pass that loses ground
-        (more events pending after it than before) also moves to the
-        fold-only level.
+        (:mod:`coalesce._payoff`); otherwise the window, 4x larger, is only
+        folded, as at the fold-only level (a window of big batches,
+        ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
+        than a window is compacted in parts of a window each under the same
+        test, or encoded as it is (one encode: the longest GIL hold).  With
+        ``payload_rules`` (and the C accelerator, and no ``move_events``) or
+        a coalescer process, the rules run on the encoded window, mostly
+        without the GIL, so the GIL is held for folding and encoding only;
+        there a pass that loses ground (more events pending after it than
+        before), or more than ``fold_only_events`` pending, moves to the
+        fold-only level, 4x larger windows, until the backlog is back under
+        the watermark.  Flushing (``shutdown()``) is at the fold-only level.
         Past ``high_watermark`` batches in the hand-off deque, the sender
         first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
@@ -474,8 +474,11 @@ class Sender:
         self._stage_if_behind()
         waiting, events_before = backlog.waiting, backlog.pending_events
         level = Level.ONE_TO_ONE
+        on_bytes = self._payload_rules or self._link is not None
         if settings.compaction and (flushing or waiting > settings.high_watermark):
-            escalate = flushing or self._escalated or events_before > settings.fold_only_events
+            escalate = flushing or (
+                on_bytes and (self._escalated or events_before > settings.fold_only_events)
+            )
             level = Level.FOLD_ONLY if escalate else Level.RULES
         else:
             self._escalated = False
@@ -504,6 +507,9 @@ class Sender:
                 record(item[0])
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
+        rules = level == Level.RULES and (on_bytes or self._payoff.rules_next())
+        if level == Level.RULES and not rules:
+            step *= 4  # the fold-only way: the fold-only level's windows
         window = backlog.take(step)
         if is_loss(window):
             self._lost(window)
@@ -513,17 +519,13 @@ class Sender:
         if self._payload_rules or self._link is not None:  # records and finishes it itself
             self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
         else:
-            sent = self._send_object_window(window, level, step)
+            sent = self._send_object_window(window, level, step, rules)
             if record is not None:
                 for b in sent:
                     record(b)
             self.done += len(window)
         self._in_flight = (0, 0)
-        if (
-            level == Level.RULES
-            and backlog.pending_events >= events_before
-            and (self._payload_rules or self._link is not None)
-        ):
+        if level == Level.RULES and on_bytes and backlog.pending_events >= events_before:
             # The rules on the bytes lost ground: fold only.  (On the objects, the
             # rules level measures whether the rules pay, window by window.)
             self._escalated = True
@@ -628,7 +630,9 @@ class Sender:
         self._send_compacted(pending.payload, pending.n_events, result)
         self._finished(pending.batches, pending.window)
 
-    def _send_object_window(self, window: list[Any], level: Level, step: int) -> list[Any]:
+    def _send_object_window(
+        self, window: list[Any], level: Level, step: int, rules: bool
+    ) -> list[Any]:
         """The rules on the event objects (C or Python), then encode: the path when
         the payload path is off.  Returns the batches the recorder must see.
 
@@ -636,7 +640,7 @@ class Sender:
         alone, as measured on this stream's recent windows (:mod:`coalesce._payoff`);
         otherwise the window is only folded (``rules_skipped``)."""
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
-            return self._send_big(window[0], step)
+            return self._send_big(window[0], self._settings.max_events_per_step)
         if level == Level.FOLD_ONLY and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
             self._send_one(window[0], self._in_flight[1])
@@ -645,7 +649,6 @@ class Sender:
         if level == Level.FOLD_ONLY and not fold_pays:
             self._send_each(window)  # big batches: folding them costs more than it saves
             return window
-        rules = level == Level.RULES and self._payoff.rules_next()
         t0 = time.perf_counter()
         if not rules and not fold_pays:  # the rules level's fold-only way, for big batches
             out, rep = window, None

@@ -104,10 +104,11 @@ class Settings:
     """Memory budget: events published but not yet sent, beyond which publish() drops."""
     max_events_per_step: int = _knob(512, _positive_int)
     """Events one compaction step takes (bounds each GIL hold of the sender)."""
-    fold_only_events: int = _knob(500_000, _positive_int)
-    """Pending events beyond which the sender only folds, in 4x larger windows (far
-    behind, nearing the event budget); with ``payload_rules`` or a coalescer process it
-    also folds only once a pass of the rules has lost ground."""
+    fold_only_events: int = _knob(2048, _positive_int)
+    """With ``payload_rules`` or a coalescer process: pending events beyond which the
+    sender only folds, in 4x larger windows (it also does once a pass of the rules has
+    lost ground).  On the event objects (the default) the sender times the rules
+    against folding instead, window by window."""
     stall_timeout: float = _knob(1.0, _seconds)
     """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
     sender takes nothing from it before publish() refuses batches on that count; 0

@@ -235,9 +235,17 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
     assert_every_model_agrees(batches, received)
 
 
-def test_the_fold_only_level_sends_big_batches_as_they_are(pubs, make_sub):
+def test_the_fold_only_way_sends_big_batches_as_they_are(pubs, make_sub, monkeypatch):
     """Folding batches of 256 events or more would cost more than the messages it saves."""
+    import coalesce._sender as sender
+    from coalesce._payoff import Payoff
     from coalesce._sender import FOLD_GAINS_BELOW
+
+    class RulesNeverPay(Payoff):
+        def rules_next(self) -> bool:
+            return False
+
+    monkeypatch.setattr(sender, "Payoff", RulesNeverPay)
 
     def big(i: int) -> KVEventBatch:
         base = i * FOLD_GAINS_BELOW
@@ -245,7 +253,7 @@ def test_the_fold_only_level_sends_big_batches_as_they_are(pubs, make_sub):
 
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=1)
+    p = pubs(endpoint=ep, high_watermark=2)
     bigs, smalls = [big(i) for i in range(12)], [offload_batch(i) for i in range(40)]
     for phase in (bigs, smalls):
         with held(p):
