@@ -451,8 +451,8 @@ class Sender:
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
         Above it: fold, ``max_events_per_step`` events at a time, and apply
         every rule.  On the event objects (the default) the rules run only
-        while they are timed cheaper than folding alone on this stream
-        (:mod:`coalesce._payoff`); otherwise the window, 4x larger, is only
+        while they are not timed clearly dearer than folding alone on this
+        stream (:mod:`coalesce._payoff`); otherwise the window, 4x larger, is only
         folded, as at the fold-only level (a window of big batches,
         ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
         than a window is compacted in parts of a window each under the same
@@ -636,9 +636,10 @@ class Sender:
         """The rules on the event objects (C or Python), then encode: the path when
         the payload path is off.  Returns the batches the recorder must see.
 
-        At the rules level the rules run only while they cost less than folding
-        alone, as measured on this stream's recent windows (:mod:`coalesce._payoff`);
-        otherwise the window is only folded (``rules_skipped``)."""
+        At the rules level the rules run only while they are not clearly dearer
+        than folding alone, as timed on this stream's recent windows
+        (:mod:`coalesce._payoff`); otherwise the window is only folded
+        (``rules_skipped``)."""
         if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
             return self._send_big(window[0], self._settings.max_events_per_step)
         if level == Level.FOLD_ONLY and len(window) == 1:
