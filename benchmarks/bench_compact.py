@@ -11,9 +11,10 @@ go through four paths, timed in alternation and reported as medians:
 - ``rules C``: ``compact()`` with the C accelerator, then encode;
 - ``rules py``: ``compact()`` with the pure-Python rules, then encode;
 - ``level``: what the sender's rules level does (object path): for each window,
-  the rules (C) or the fold, whichever its :class:`~coalesce._payoff.Payoff`
-  measured cheaper on the windows before (one in ``EXPLORE_EVERY`` the other);
-  ``rules ran`` is the share of windows that ran the rules;
+  the rules (C) or the fold, as its :class:`~coalesce._payoff.Payoff` chooses
+  from the windows timed before (now and then the other way); ``rules ran`` is
+  the share of windows that ran the rules.  (The sender's fold way takes 4x
+  larger windows; here every path gets the same windows);
 - ``payload``: the C rules on the folded (always), encoded window
   (``compact_payload``) alone: the work the sender does without the GIL, or
   what a separate coalescer process would spend on the payloads an

@@ -73,7 +73,9 @@ batch is sent as it is."""
 
 
 def folding_pays(events: int, batches: int) -> bool:
-    """Whether the fold-only level folds a window of ``batches`` holding ``events``."""
+    """Whether a window that is only folded (at the fold-only level, or the rules
+    level's fold-only way) of ``batches`` holding ``events`` is folded, or sent
+    batch by batch."""
     return events < FOLD_GAINS_BELOW * batches
 
 
@@ -516,7 +518,7 @@ class Sender:
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
-        if self._payload_rules or self._link is not None:  # records and finishes it itself
+        if on_bytes:  # records and finishes it itself
             self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
         else:
             sent = self._send_object_window(window, level, step, rules)
@@ -647,11 +649,8 @@ class Sender:
             self._send_one(window[0], self._in_flight[1])
             return window
         fold_pays = folding_pays(self._in_flight[1], len(window))
-        if level == Level.FOLD_ONLY and not fold_pays:
-            self._send_each(window)  # big batches: folding them costs more than it saves
-            return window
         t0 = time.perf_counter()
-        if not rules and not fold_pays:  # the rules level's fold-only way, for big batches
+        if not rules and not fold_pays:  # big batches: folding them costs more than it saves
             out, rep = window, None
         else:
             try:

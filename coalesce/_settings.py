@@ -93,8 +93,8 @@ class Settings:
     payload_rules: bool = _knob(False, parse_flag)
     """Under backpressure, run the rules on the encoded window, in C, in a helper thread
     without the GIL (needs the C accelerator; not with ``move_events``); off: on the
-    event objects, with the GIL, and only while they are timed cheaper than folding
-    alone on the stream being sent."""
+    event objects, with the GIL, and only while they are not timed clearly dearer than
+    folding alone on the stream being sent."""
     coalescer: str = _knob("thread", _coalescer)
     """Where the compaction rules, the PUB socket, the replay buffer and the snapshot
     recorder live: ``thread``, the sender thread in the engine's process; ``process``,
