@@ -1,4 +1,4 @@
-/* The compactor's rules 2, 3, 5 and 6 in C: an optional accelerator.
+/* The compactor's rules 2, 3, 5a, 5 and 6 in C: an optional accelerator.
  *
  * coalesce.compactor._compact_events is the specification and the oracle; this
  * file computes the same list of events (equal values, the same untouched
@@ -271,6 +271,7 @@ typedef struct {
     struct {
         Buf src, hids, op_idx, op_pos, op_prior, op_sure, alive, dead, items_a, items_b;
         Buf last_op, last_child, by_hash, by_key, removed;
+        Buf g_key_any, g_key_store, g_hash_any, g_parent_of, g_chain_end, g_groups, g_next;
         Buf rsrc, hv, parents, aspans, out; /* the payload path only */
     } bufs;
     Desc descs[MAX_DESCS];
@@ -626,6 +627,160 @@ static int rule_cancel(Window *w, Py_ssize_t first, Item *items, Py_ssize_t *nit
     return 1;
 }
 
+/* ---- rule 5a: gather ------------------------------------------------------ */
+
+/* One output event of rule_gather: a removal and the removals merged into it,
+ * or a chain of stores; its members are items of the input, in input order. */
+typedef struct {
+    int32_t first, last; /* member items: first, and last (next_item links them) */
+    int32_t n;           /* members */
+    int32_t tail;        /* a chain's last hash id */
+    int kind;
+    char chain_ok;
+} Group;
+
+static inline int32_t max32(int32_t a, int32_t b) { return a > b ? a : b; }
+
+/* Rule 5a (coalesce.compactor._gather): each item joins the latest group it
+ * may merge with when it commutes with every group after it (no shared key,
+ * two removals excepted; neither names a hash of the other as parent), else
+ * starts a group.  The maps hold, per key or hash, the latest group holding
+ * it, so one lookup per key, hash and parent decides.  1, 0 to decline (too
+ * many removal classes), -1 on memory error. */
+static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *insegs, Item *out,
+                       Py_ssize_t *nout, SegVec *outsegs, long *merged) {
+    Py_ssize_t NK = (Py_ssize_t)w->nids * w->nmg, U = w->nids;
+    State *st = w->st;
+    int32_t *key_any = (int32_t *)buf_get(&st->bufs.g_key_any, (size_t)NK * sizeof(int32_t));
+    int32_t *key_store = (int32_t *)buf_get(&st->bufs.g_key_store, (size_t)NK * sizeof(int32_t));
+    int32_t *chain_end = (int32_t *)buf_get(&st->bufs.g_chain_end, (size_t)NK * sizeof(int32_t));
+    int32_t *hash_any = (int32_t *)buf_get(&st->bufs.g_hash_any, (size_t)U * sizeof(int32_t));
+    int32_t *parent_of = (int32_t *)buf_get(&st->bufs.g_parent_of, (size_t)U * sizeof(int32_t));
+    char *removed = (char *)buf_get(&st->bufs.removed, (size_t)U);
+    Group *groups = (Group *)buf_get(&st->bufs.g_groups, (size_t)(nin ? nin : 1) * sizeof(Group));
+    int32_t *next_item = (int32_t *)buf_get(&st->bufs.g_next, (size_t)(nin ? nin : 1) * sizeof(int32_t));
+    if (!key_any || !key_store || !chain_end || !hash_any || !parent_of || !removed || !groups ||
+        !next_item)
+        return -1;
+    memset(key_any, 0xff, (size_t)NK * sizeof(int32_t));
+    memset(key_store, 0xff, (size_t)NK * sizeof(int32_t));
+    memset(chain_end, 0xff, (size_t)NK * sizeof(int32_t));
+    memset(hash_any, 0xff, (size_t)U * sizeof(int32_t));
+    memset(parent_of, 0xff, (size_t)U * sizeof(int32_t));
+    memset(removed, 0, (size_t)U);
+    int32_t last_removal[MAX_DESCS];
+    int32_t desc_base[MAX_DESCS];
+    int ndescs = 0;
+    int32_t ng = 0;
+    for (Py_ssize_t i = 0; i < nin; i++) {
+        const Item *it = &in[i];
+        const Src *s = &w->src[it->base];
+        const int32_t *hids = w->hids + s->h0;
+        int32_t barrier = -1, j;
+        next_item[i] = -1;
+        if (it->kind == K_REMOVED) {
+            for (Py_ssize_t q = 0; q < it->nseg; q++) {
+                Seg g = insegs->v[it->seg0 + q];
+                const int32_t *gh = w->hids + w->src[g.src].h0;
+                for (int32_t p = g.start; p < g.end; p++) {
+                    barrier = max32(barrier, key_store[KID(w, gh[p], s->mg)]);
+                    barrier = max32(barrier, parent_of[gh[p]]);
+                }
+            }
+            int d = -1;
+            for (int k = 0; k < ndescs; k++)
+                if (attrs_equal(w, &w->src[desc_base[k]], s)) {
+                    d = k;
+                    break;
+                }
+            if (d < 0) {
+                if (ndescs == MAX_DESCS) return 0;
+                d = ndescs++;
+                desc_base[d] = it->base;
+                last_removal[d] = -1;
+            }
+            j = last_removal[d];
+            if (j > barrier) {
+                next_item[groups[j].last] = (int32_t)i;
+                groups[j].last = (int32_t)i;
+                groups[j].n++;
+            } else {
+                j = ng++;
+                groups[j].first = groups[j].last = (int32_t)i;
+                groups[j].n = 1;
+                groups[j].kind = K_REMOVED;
+                last_removal[d] = j;
+            }
+            for (Py_ssize_t q = 0; q < it->nseg; q++) {
+                Seg g = insegs->v[it->seg0 + q];
+                const int32_t *gh = w->hids + w->src[g.src].h0;
+                for (int32_t p = g.start; p < g.end; p++) {
+                    Py_ssize_t kid = KID(w, gh[p], s->mg);
+                    key_any[kid] = max32(key_any[kid], j);
+                    hash_any[gh[p]] = max32(hash_any[gh[p]], j);
+                    removed[gh[p]] = 1;
+                }
+            }
+            continue;
+        }
+        /* a store: one segment (src, 0, keep) */
+        const Seg g = insegs->v[it->seg0];
+        for (int32_t p = g.start; p < g.end; p++) {
+            barrier = max32(barrier, key_any[KID(w, hids[p], s->mg)]);
+            barrier = max32(barrier, parent_of[hids[p]]);
+        }
+        j = s->parent >= 0 ? chain_end[KID(w, s->parent, s->mg)] : -1;
+        int join = 0;
+        if (j > barrier && groups[j].chain_ok && hash_any[s->parent] <= j &&
+            groups[j].tail == s->parent) {
+            const Src *first = &w->src[in[groups[j].first].base];
+            join = s->ti == first->ti && s->tok_nonempty == first->tok_nonempty &&
+                   s->splittable && s->extra_none == first->extra_none &&
+                   s->look_none == first->look_none && attrs_equal(w, first, s);
+        }
+        if (join) {
+            next_item[groups[j].last] = (int32_t)i;
+            groups[j].last = (int32_t)i;
+            groups[j].n++;
+        } else {
+            j = ng++;
+            groups[j].first = groups[j].last = (int32_t)i;
+            groups[j].n = 1;
+            groups[j].kind = K_STORED;
+            groups[j].chain_ok = (char)(s->splittable && !(s->parent >= 0 && removed[s->parent]));
+        }
+        for (int32_t p = g.start; p < g.end; p++) {
+            Py_ssize_t kid = KID(w, hids[p], s->mg);
+            key_any[kid] = max32(key_any[kid], j);
+            key_store[kid] = max32(key_store[kid], j);
+            hash_any[hids[p]] = max32(hash_any[hids[p]], j);
+        }
+        if (s->parent >= 0) parent_of[s->parent] = max32(parent_of[s->parent], j);
+        groups[j].tail = hids[g.end - 1];
+        chain_end[KID(w, groups[j].tail, s->mg)] = j;
+    }
+    for (int32_t k = 0; k < ng; k++) {
+        Group *G = &groups[k];
+        Item *o = &out[k];
+        *o = in[G->first];
+        o->seg0 = outsegs->n;
+        for (int32_t m = G->first; m >= 0; m = next_item[m]) {
+            const Item *it = &in[m];
+            for (Py_ssize_t q = 0; q < it->nseg; q++) {
+                Seg sg = insegs->v[it->seg0 + q];
+                if (!segvec_push(outsegs, sg.src, sg.start, sg.end)) return -1;
+            }
+        }
+        o->nseg = outsegs->n - o->seg0;
+        if (G->n > 1) {
+            o->changed = 1;
+            *merged += (long)(G->n - 1);
+        }
+    }
+    *nout = ng;
+    return 1;
+}
+
 /* ---- rule 5: sink removals ------------------------------------------------ */
 
 /* out = *it, its segments (nseg of them from segs) appended to outsegs.  0 on memory error. */
@@ -734,14 +889,16 @@ static int rule_sink(Window *w, const Item *in, Py_ssize_t nin, const SegVec *in
                     h.by_key[KID(w, hids[p], base->mg)] |= bit;
                 }
             }
-        } else { /* a store: one segment (src, 0, keep) */
+        } else { /* a store: one segment, or a chain's (rule 5a) */
             uint64_t conflict = 0;
-            const Seg g = insegs->v[it->seg0];
             if (held_mask) {
                 if (base->parent >= 0) conflict |= h.by_hash[base->parent];
-                const int32_t *hids = w->hids + base->h0;
-                for (int32_t p = g.start; p < g.end; p++)
-                    conflict |= h.by_key[KID(w, hids[p], base->mg)];
+                for (Py_ssize_t q = 0; q < it->nseg; q++) {
+                    Seg g = insegs->v[it->seg0 + q];
+                    const int32_t *hids = w->hids + w->src[g.src].h0;
+                    for (int32_t p = g.start; p < g.end; p++)
+                        conflict |= h.by_key[KID(w, hids[p], base->mg)];
+                }
                 conflict &= held_mask;
             }
             if (conflict) {
@@ -749,7 +906,7 @@ static int rule_sink(Window *w, const Item *in, Py_ssize_t nin, const SegVec *in
                     return -1;
                 held_mask &= ~conflict;
             }
-            if (!put_item(&out[(*nout)++], it, &g, 1, outsegs)) return -1;
+            if (!put_item(&out[(*nout)++], it, &insegs->v[it->seg0], it->nseg, outsegs)) return -1;
         }
     }
     return flush_mask(w, descs, held_mask, &h, in, out, nout, outsegs, merged);
@@ -771,22 +928,25 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
         const Item *it = &in[i];
         const Src *s = &w->src[it->base];
         if (it->kind == K_STORED) {
-            const Seg g = insegs->v[it->seg0];
+            const Seg *gs = &insegs->v[it->seg0];
+            const Seg *g = &gs[it->nseg - 1]; /* a chain's (rule 5a) last segment */
+            int32_t tail = w->hids[w->src[g->src].h0 + g->end - 1];
             if (chain != NULL && chain_ok && s->ti == first->ti && s->parent >= 0 &&
                 s->parent == last && s->tok_nonempty == first->tok_nonempty && s->splittable &&
                 s->extra_none == first->extra_none && s->look_none == first->look_none &&
                 attrs_equal(w, first, s)) {
-                if (!segvec_push(outsegs, g.src, g.start, g.end)) return -1;
-                chain->nseg++;
+                for (Py_ssize_t q = 0; q < it->nseg; q++)
+                    if (!segvec_push(outsegs, gs[q].src, gs[q].start, gs[q].end)) return -1;
+                chain->nseg += it->nseg;
                 chain->changed = 1;
-                last = w->hids[s->h0 + g.end - 1];
+                last = tail;
                 (*merged)++;
                 continue;
             }
             chain = &out[m++];
-            if (!put_item(chain, it, &g, 1, outsegs)) return -1;
+            if (!put_item(chain, it, gs, it->nseg, outsegs)) return -1;
             first = s;
-            last = w->hids[s->h0 + g.end - 1];
+            last = tail;
             chain_ok = s->splittable && !(s->parent >= 0 && removed[s->parent]);
             continue;
         }
@@ -799,6 +959,32 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
         }
     }
     *nout = m;
+    return 1;
+}
+
+/* ---- the rules in order ----------------------------------------------------- */
+
+/* Rules 3, 5a, 5 and 6 on srcs [first, nsrc), both entry points' pipeline.  The
+ * result is in *res (items_a or items_b), *nres, *rsegs (sa or sb).  1, 0 to
+ * decline, -1 on memory error. */
+static int run_rules(Window *w, Py_ssize_t first, SegVec *sa, SegVec *sb, Item **res,
+                     Py_ssize_t *nres, SegVec **rsegs, long *cancelled, long *merged) {
+    Py_ssize_t n = w->nsrc, na = 0, nb = 0;
+    Item *a = (Item *)buf_get(&w->st->bufs.items_a, (size_t)(n ? n : 1) * sizeof(Item));
+    Item *b = (Item *)buf_get(&w->st->bufs.items_b, (size_t)(n ? n : 1) * sizeof(Item));
+    if (a == NULL || b == NULL) return -1;
+    sa->n = sb->n = 0;
+    if (rule_cancel(w, first, a, &na, sa, cancelled) < 0) return -1;
+    int r = rule_gather(w, a, na, sa, b, &nb, sb, merged);
+    if (r <= 0) return r;
+    sa->n = 0;
+    r = rule_sink(w, b, nb, sb, a, &na, sa, merged);
+    if (r <= 0) return r;
+    sb->n = 0;
+    if (rule_chain(w, a, na, sa, b, &nb, sb, merged) < 0) return -1;
+    *res = b;
+    *nres = nb;
+    *rsegs = sb;
     return 1;
 }
 
@@ -1500,7 +1686,7 @@ static int run_payload(State *st, const unsigned char *raw, size_t len, RResult 
     w.aspans = (ASpan *)st->bufs.aspans.p;
     SegVec sa = st->segs_a, sb = st->segs_b;
     sa.n = sb.n = 0;
-    Py_ssize_t n = w.nsrc, last_clear = -1, na = 0, nb = 0;
+    Py_ssize_t n = w.nsrc, last_clear = -1, na = 0;
     for (Py_ssize_t i = n - 1; i >= 0; i--)
         if (w.src[i].kind == K_CLEARED) {
             last_clear = i;
@@ -1508,16 +1694,10 @@ static int run_payload(State *st, const unsigned char *raw, size_t len, RResult 
         }
     res->superseded = last_clear > 0 ? (long)last_clear : 0;
     res->cancelled = res->merged = 0;
-    Item *a = (Item *)buf_get(&st->bufs.items_a, (size_t)n * sizeof(Item));
-    Item *b = (Item *)buf_get(&st->bufs.items_b, (size_t)n * sizeof(Item));
-    r = -1;
-    if (a == NULL || b == NULL) goto done;
-    if (rule_cancel(&w, last_clear + 1, a, &na, &sa, &res->cancelled) < 0) goto done;
-    r = rule_sink(&w, a, na, &sa, b, &nb, &sb, &res->merged);
+    Item *a = NULL;
+    SegVec *rs = NULL;
+    r = run_rules(&w, last_clear + 1, &sa, &sb, &a, &na, &rs, &res->cancelled, &res->merged);
     if (r <= 0) goto done;
-    sa.n = 0;
-    r = -1;
-    if (rule_chain(&w, b, nb, &sb, a, &na, &sa, &res->merged) < 0) goto done;
     Py_ssize_t head = last_clear >= 0 ? 1 : 0;
     res->events_out = head + na;
     res->same = head + na == n;
@@ -1532,7 +1712,7 @@ static int run_payload(State *st, const unsigned char *raw, size_t len, RResult 
         goto done;
     }
     for (Py_ssize_t i = 0; i < na; i++) {
-        r = wr_item(&w, &o, &sa, &a[i]);
+        r = wr_item(&w, &o, rs, &a[i]);
         if (r <= 0) goto done;
     }
     r = wr(&o, raw + ri.ev_end, len - ri.ev_end) ? 1 : -1;
@@ -1665,7 +1845,7 @@ static PyObject *cc_register(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(compact_doc,
              "compact_events(events) -> (events, superseded, cancelled, merged) | type | None\n\n"
-             "Rules 2, 3, 5 and 6 of coalesce.compactor on one folded group's events (a\n"
+             "Rules 2, 3, 5a, 5 and 6 of coalesce.compactor on one folded group's events (a\n"
              "list), exactly as _compact_events computes them without moves.  Returns a\n"
              "class that is not registered yet (register it and call again), or None\n"
              "for a window this accelerator declines.  O(events + block hashes).");
@@ -1677,7 +1857,7 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
     Window w;
     memset(&w, 0, sizeof(w));
     w.st = st;
-    Item *a = NULL, *b = NULL;
+    Item *a = NULL;
     SegVec sa = st->segs_a, sb = st->segs_b;
     sa.n = sb.n = 0;
     PyObject *result = NULL;
@@ -1705,18 +1885,9 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
             break;
         }
     long superseded = last_clear > 0 ? (long)last_clear : 0;
-    a = (Item *)buf_get(&st->bufs.items_a, (size_t)n * sizeof(Item));
-    b = (Item *)buf_get(&st->bufs.items_b, (size_t)n * sizeof(Item));
-    if (a == NULL || b == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t na = 0, nb = 0;
-    if (rule_cancel(&w, last_clear + 1, a, &na, &sa, &cancelled) < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    r = rule_sink(&w, a, na, &sa, b, &nb, &sb, &merged);
+    Py_ssize_t na = 0;
+    SegVec *rs = NULL;
+    r = run_rules(&w, last_clear + 1, &sa, &sb, &a, &na, &rs, &cancelled, &merged);
     if (r <= 0) {
         if (r < 0)
             PyErr_NoMemory();
@@ -1724,11 +1895,6 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
             Py_INCREF(Py_None);
             result = Py_None;
         }
-        goto done;
-    }
-    sa.n = 0;
-    if (rule_chain(&w, b, nb, &sb, a, &na, &sa, &merged) < 0) {
-        PyErr_NoMemory();
         goto done;
     }
     Py_ssize_t head = last_clear >= 0 ? 1 : 0;
@@ -1740,7 +1906,7 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
         PyList_SET_ITEM(out, 0, clear);
     }
     for (Py_ssize_t i = 0; i < na; i++) {
-        PyObject *ev = build_item(&w, &sa, &a[i]);
+        PyObject *ev = build_item(&w, rs, &a[i]);
         if (ev == NULL) {
             Py_DECREF(out);
             goto done;

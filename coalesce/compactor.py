@@ -25,6 +25,10 @@ The rules, applied per folded group (one data-parallel rank, one batch class):
 4. *move* (opt-in): an adjacent store and removal of the same hashes in two
    media (either order) become one :class:`~coalesce.events.BlockMoved`, sent
    in a batch of its own;
+5a. *gather*: a removal joins the latest earlier removal of the same class and
+   fields, a store the latest earlier chain ending in its parent (rule 6's
+   conditions), when it commutes with every event in between (no shared key,
+   two removals excepted; no parent among the other's hashes);
 5. *sink removals*: a removal is delayed (and merged with later removals of the
    same medium, group, locality and ownership, duplicates kept) until a store
    that re-stores one of its keys or names one of its hashes as parent; this
@@ -37,7 +41,7 @@ Cost: every pass is linear in the events and block hashes of the window
 (dict and set operations only); :func:`compact` allocates the output lists
 and rebuilt events, nothing proportional to anything but the window.
 
-:func:`compact_payload` applies rules 2, 3, 5 and 6 to a window already folded
+:func:`compact_payload` applies rules 2, 3, 5a, 5 and 6 to a window already folded
 and encoded, reading and writing bytes in C (the optional accelerator), so
 that the sender can compact without holding the GIL; its result is, byte for
 byte, msgspec's encoding of what :func:`compact` returns for the same window.
@@ -388,6 +392,129 @@ def _make_moves(events: list[Any], counts: Counter[str]) -> list[Any]:
     return out
 
 
+# --- rule 5a: gather -----------------------------------------------------------
+
+
+class _Gathered:
+    """One event of :func:`_gather`'s output: a removal and the removals merged
+    into it (``removals``), or a chain of stores (``chain``), or an event kept
+    as it is (a ``BlockMoved``: a barrier)."""
+
+    __slots__ = ("chain", "chain_ok", "ev", "removals")
+
+    def __init__(self, ev: Any) -> None:
+        self.ev = ev
+        self.removals: list[Any] | None = None
+        self.chain: _Chain | None = None
+        self.chain_ok = False
+
+    def build(self, counts: Counter[str]) -> Any:
+        if self.chain is not None:
+            counts["merged"] += self.chain.n - 1
+            return self.chain.build()
+        if self.removals is not None and len(self.removals) > 1:
+            counts["merged"] += len(self.removals) - 1
+            hashes: list[Any] = []
+            for r in self.removals:
+                hashes.extend(r.block_hashes)
+            return msgspec.structs.replace(self.ev, block_hashes=hashes)
+        return self.ev
+
+
+def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
+    """Rule 5a, one forward pass over stores, removals and moves (no clears).
+
+    O(events + hashes): each event looks up its keys, hashes and parent in
+    four position maps, then joins one earlier output event or is appended.
+
+    Each event moves back to the latest output event it can join (a removal
+    of the same class and fields; a chain whose last hash is its parent, all
+    other fields equal) when it commutes with every event placed after that
+    one: no shared key (two removals always commute), and neither one's
+    parent is a hash of the other in any medium.  A ``BlockMoved`` is a
+    barrier.  The maps hold, per key or hash, the latest output position
+    that holds it, so "commutes with everything after position j" is
+    "every conflicting position is below j".
+    """
+    out: list[_Gathered] = []
+    key_any: dict[tuple[Any, Any, Any], int] = {}  # key -> latest position touching it
+    key_store: dict[tuple[Any, Any, Any], int] = {}  # key -> latest store touching it
+    hash_any: dict[Any, int] = {}  # hash -> latest position holding it (any medium)
+    parent_of: dict[Any, int] = {}  # hash -> latest store naming it as a parent
+    removed: set[Any] = set()  # hashes removed so far (a chain start's condition)
+    last_removal: dict[Hashable, int] = {}  # removal class and fields -> latest position
+    chain_end: dict[tuple[Any, Any, Any], int] = {}  # key of a chain's last block -> position
+    floor = -1  # the latest barrier
+    for ev in events:
+        kind = event_kind(ev)
+        if kind == REMOVED:
+            medium, group = ev.medium, _group(ev)
+            keys = [(medium, group, h) for h in ev.block_hashes]
+            barrier = floor
+            for k in keys:
+                barrier = max(barrier, key_store.get(k, -1))
+            for h in ev.block_hashes:
+                barrier = max(barrier, parent_of.get(h, -1))
+            gkey: Hashable = _attrs(ev, _REMOVED_PER_BLOCK)
+            try:
+                hash(gkey)
+            except TypeError:  # an unhashable field we do not know: never merged
+                gkey = ("id", id(ev))
+            j = last_removal.get(gkey, -1)
+            if j > barrier:
+                removals = out[j].removals
+                assert removals is not None
+                removals.append(ev)
+            else:
+                j = len(out)
+                g = _Gathered(ev)
+                g.removals = [ev]
+                out.append(g)
+                last_removal[gkey] = j
+            for k in keys:
+                key_any[k] = max(key_any.get(k, -1), j)
+            for h in ev.block_hashes:
+                hash_any[h] = max(hash_any.get(h, -1), j)
+            removed.update(ev.block_hashes)
+        elif kind == STORED:
+            medium, group, parent = ev.medium, _group(ev), ev.parent_block_hash
+            keys = [(medium, group, h) for h in ev.block_hashes]
+            barrier = floor
+            for k in keys:
+                barrier = max(barrier, key_any.get(k, -1))
+            for h in ev.block_hashes:
+                barrier = max(barrier, parent_of.get(h, -1))
+            holder = -1 if parent is None else hash_any.get(parent, -1)
+            j = -1 if parent is None else chain_end.get((medium, group, parent), -1)
+            chain = out[j].chain if j > barrier else None
+            if (
+                chain is not None
+                and out[j].chain_ok
+                and holder <= j  # the parent's holder after j would be jumped over
+                and chain.accepts(ev)
+            ):
+                chain.add(ev)
+            else:
+                j = len(out)
+                g = _Gathered(ev)
+                g.chain = _Chain(ev)
+                g.chain_ok = _splittable(ev) and parent not in removed
+                out.append(g)
+            for k in keys:
+                key_any[k] = max(key_any.get(k, -1), j)
+                key_store[k] = max(key_store.get(k, -1), j)
+            for h in ev.block_hashes:
+                hash_any[h] = max(hash_any.get(h, -1), j)
+            if parent is not None:
+                parent_of[parent] = max(parent_of.get(parent, -1), j)
+            chain_end[(medium, group, ev.block_hashes[-1])] = j
+        else:  # a BlockMoved: nothing moves across it
+            floor = len(out)
+            out.append(_Gathered(ev))
+            removed.update(ev.block_hashes)
+    return [g.build(counts) for g in out]
+
+
 # --- rule 6: chains -----------------------------------------------------------
 
 
@@ -505,7 +632,7 @@ it, a release (two GIL hand-offs) costs more than the work it lets the engine do
 def compact_payload(
     payload: bytes, release_at: int = PAYLOAD_RELEASE_AT
 ) -> tuple[bytes, int, int, int, int] | None:
-    """Rules 2, 3, 5 and 6 on one encoded batch: ``(payload, events, superseded,
+    """Rules 2, 3, 5a, 5 and 6 on one encoded batch: ``(payload, events, superseded,
     cancelled, merged)``, or None (the accelerator is not built, or declines).
 
     ``payload`` is a batch as the sender encodes it (``[ts, events, rank]``,
@@ -616,6 +743,7 @@ def _compact_events_py(events: list[Any], move_events: bool, counts: Counter[str
     body = _cancel(body, counts)
     if move_events:
         body = _make_moves(body, counts)
+    body = _gather(body, counts)
     body = _sink_removals(body, counts)
     body = _merge_chains(body, counts)
     return head + body

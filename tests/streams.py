@@ -75,12 +75,56 @@ def tier_moves(draw: Any) -> list[Any]:
     return [BlockRemoved(block_hashes=[h], medium="GPU", group_idx=g), store]
 
 
+def _one_block(h: int, medium: str, group: int | None, tokens: bool, extra: bool) -> BlockStored:
+    return BlockStored(
+        block_hashes=[h],
+        parent_block_hash=parent_of(h),
+        token_ids=[h * 10 + i for i in range(BLOCK)] if tokens else [],
+        block_size=BLOCK,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        extra_keys=[("salt", h)] if extra else None,
+        group_idx=group,
+    )
+
+
+@st.composite
+def chain_runs(draw: Any) -> list[Any]:
+    """One-block stores down one chain, all fields equal (so they can chain), each
+    block sometimes removed just before its store, and after it kept, removed,
+    or offloaded (removed, then stored in the other medium): what the chain
+    and gather rules feed on, and their traps (a store whose parent was
+    removed in between, a store jumping a removal of its own key or a store of its child)."""
+    c = draw(st.integers(0, CHAINS - 1))
+    d = draw(st.integers(0, DEPTH - 1))
+    medium = draw(st.sampled_from(MEDIA))
+    other = MEDIA[1 - MEDIA.index(medium)]
+    group = draw(GROUP_CHOICE)
+    tokens, extra = draw(st.booleans()), draw(st.booleans())
+    out: list[Any] = []
+    for h in hashes_from(c, d, DEPTH):
+        early = draw(st.integers(0, 7))
+        if early == 0:  # a removal first (of a key perhaps not held)
+            out.append(BlockRemoved(block_hashes=[h], medium=medium, group_idx=group))
+        elif early == 1 and h % 100 < DEPTH - 1:  # its child first, in the other medium
+            out.append(_one_block(h + 1, other, group, tokens, extra))
+        out.append(_one_block(h, medium, group, tokens, extra))
+        fate = draw(st.sampled_from(("keep", "remove", "offload")))
+        if fate != "keep":
+            out.append(BlockRemoved(block_hashes=[h], medium=medium, group_idx=group))
+        if fate == "offload":
+            out.append(_one_block(h, other, group, tokens, extra))
+    return out
+
+
 event_lists = st.lists(
     st.one_of(
         stores().map(lambda e: [e]),
         stores().map(lambda e: [e]),
         removals.map(lambda e: [e]),
         tier_moves(),
+        chain_runs(),
         st.just([AllBlocksCleared()]),
     ),
     max_size=24,

@@ -185,6 +185,37 @@ def test_tier_move_becomes_store_then_removal():
     assert events_of(out) == [S([2], 1, "CPU"), R([2], "GPU")]
 
 
+def test_an_offload_run_gathers_into_one_chain_and_one_removal():
+    # vLLM's order per block: the GPU removal, then the CPU store whose parent is the block before
+    batches = [B(R([i], "GPU"), S([i], i - 1 or None, "CPU")) for i in (1, 2, 3)]
+    out, rep = compact(batches)
+    assert events_of(out) == [S([1, 2, 3], None, "CPU"), R([1, 2, 3], "GPU")]
+    assert rep.merged == 4
+
+
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        # a removal does not move back past a store of its key
+        ([R([5]), S([1], None), R([1])], [S([1], None), R([5, 1])]),
+        # ... nor past a store naming it as parent
+        ([R([5]), S([2], 1), R([1])], [S([2], 1), R([5, 1])]),
+        # a store does not move back past a removal of its key
+        ([S([1], None), R([2]), S([2], 1)], [S([1], None), R([2]), S([2], 1)]),
+        # ... nor past a store naming one of its hashes as parent
+        ([S([1], None), S([3], 2), S([2], 1)], [S([1], None), S([3], 2), S([2], 1)]),
+        # ... nor past an event holding its parent
+        ([S([1], None), R([1]), S([2], 1)], [S([1], None), R([1]), S([2], 1)]),
+    ],
+)
+def test_gather_stops_at_an_event_it_does_not_commute_with(events, expected):
+    batches = [B(*events)]
+    out, _ = compact(batches)
+    assert events_of(out) == expected
+    for mode in MODES:
+        assert final(mode, Counter(), out) == final(mode, Counter(), batches), mode
+
+
 def test_move_events_are_opt_in_and_alone():
     batches = [B(S([1], None, "GPU")), B(R([2], "GPU"), S([2], 1, "CPU")), B(S([9], None))]
     out, rep = compact(batches, move_events=True)
@@ -297,5 +328,6 @@ def test_a_long_offload_run_stays_exact_in_one_call(n):
         batches.append(B(R([i + 1], "GPU"), S([i + 1], i or None, "CPU")))
     out, rep = compact(batches)
     assert rep.events_in == 2 * n
+    assert rep.events_out == 2  # one CPU chain, then one GPU removal (rule 5a)
     for mode in MODES:
         assert final(mode, Counter(), out) == final(mode, Counter(), batches)
