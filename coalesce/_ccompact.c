@@ -641,6 +641,22 @@ typedef struct {
 
 static inline int32_t max32(int32_t a, int32_t b) { return a > b ? a : b; }
 
+/* Item i joins group j (its last member so far). */
+static inline void group_join(Group *groups, int32_t *next_item, int32_t j, Py_ssize_t i) {
+    next_item[groups[j].last] = (int32_t)i;
+    groups[j].last = (int32_t)i;
+    groups[j].n++;
+}
+
+/* A new group holding item i alone; its index. */
+static inline int32_t group_start(Group *groups, int32_t *ng, Py_ssize_t i, int kind) {
+    int32_t j = (*ng)++;
+    groups[j].first = groups[j].last = (int32_t)i;
+    groups[j].n = 1;
+    groups[j].kind = kind;
+    return j;
+}
+
 /* Rule 5a (coalesce.compactor._gather): each item joins the latest group it
  * may merge with when it commutes with every group after it (no shared key,
  * two removals excepted; neither names a hash of the other as parent), else
@@ -701,14 +717,9 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             }
             j = last_removal[d];
             if (j > barrier) {
-                next_item[groups[j].last] = (int32_t)i;
-                groups[j].last = (int32_t)i;
-                groups[j].n++;
+                group_join(groups, next_item, j, i);
             } else {
-                j = ng++;
-                groups[j].first = groups[j].last = (int32_t)i;
-                groups[j].n = 1;
-                groups[j].kind = K_REMOVED;
+                j = group_start(groups, &ng, i, K_REMOVED);
                 last_removal[d] = j;
             }
             for (Py_ssize_t q = 0; q < it->nseg; q++) {
@@ -739,14 +750,9 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
                    s->look_none == first->look_none && attrs_equal(w, first, s);
         }
         if (join) {
-            next_item[groups[j].last] = (int32_t)i;
-            groups[j].last = (int32_t)i;
-            groups[j].n++;
+            group_join(groups, next_item, j, i);
         } else {
-            j = ng++;
-            groups[j].first = groups[j].last = (int32_t)i;
-            groups[j].n = 1;
-            groups[j].kind = K_STORED;
+            j = group_start(groups, &ng, i, K_STORED);
             groups[j].chain_ok = (char)(s->splittable && !(s->parent >= 0 && removed[s->parent]));
         }
         for (int32_t p = g.start; p < g.end; p++) {

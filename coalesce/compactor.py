@@ -421,6 +421,11 @@ class _Gathered:
         return self.ev
 
 
+def _latest(positions: dict[Any, int], keys: Iterable[Any]) -> int:
+    """The latest of ``keys``' positions, -1 for none.  O(keys)."""
+    return max([positions.get(k, -1) for k in keys], default=-1)
+
+
 def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
     """Rule 5a, one forward pass over stores, removals and moves (no clears).
 
@@ -450,11 +455,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
         if kind == REMOVED:
             medium, group = ev.medium, _group(ev)
             keys = [(medium, group, h) for h in ev.block_hashes]
-            barrier = floor
-            for k in keys:
-                barrier = max(barrier, key_store.get(k, -1))
-            for h in ev.block_hashes:
-                barrier = max(barrier, parent_of.get(h, -1))
+            barrier = max(floor, _latest(key_store, keys), _latest(parent_of, ev.block_hashes))
             gkey: Hashable = _attrs(ev, _REMOVED_PER_BLOCK)
             try:
                 hash(gkey)
@@ -479,11 +480,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
         elif kind == STORED:
             medium, group, parent = ev.medium, _group(ev), ev.parent_block_hash
             keys = [(medium, group, h) for h in ev.block_hashes]
-            barrier = floor
-            for k in keys:
-                barrier = max(barrier, key_any.get(k, -1))
-            for h in ev.block_hashes:
-                barrier = max(barrier, parent_of.get(h, -1))
+            barrier = max(floor, _latest(key_any, keys), _latest(parent_of, ev.block_hashes))
             holder = -1 if parent is None else hash_any.get(parent, -1)
             j = -1 if parent is None else chain_end.get((medium, group, parent), -1)
             chain = out[j].chain if j > barrier else None
