@@ -312,9 +312,10 @@ def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(
         time.sleep(0.0002)  # the GPU wait: the only time the sender can run
     assert p.flush(60)
     st = p.stats()
+    # (How high the hand-off queue got is left unasserted: it depends on when the
+    # OS runs the sender thread, and a CI run on a loaded machine saw 10.  Staging
+    # itself is tested deterministically in test_backlog.py.)
     assert st.batches_dropped == 0 and st.seq_gaps == 0
-    if not payload_rules:  # (the helper's work on a 10,000-block chain delays the staging)
-        assert st.backlog_peak <= 8
     msgs = sub.recv_until_seq(st.messages_sent - 1)
     assert sum(len(decode(m[2]).events) for m in msgs) == st.events_sent
 
