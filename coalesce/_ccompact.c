@@ -635,7 +635,6 @@ typedef struct {
     int32_t first, last; /* member items: first, and last (next_item links them) */
     int32_t n;           /* members */
     int32_t tail;        /* a chain's last hash id */
-    int kind;
     char chain_ok;
 } Group;
 
@@ -649,11 +648,10 @@ static inline void group_join(Group *groups, int32_t *next_item, int32_t j, Py_s
 }
 
 /* A new group holding item i alone; its index. */
-static inline int32_t group_start(Group *groups, int32_t *ng, Py_ssize_t i, int kind) {
+static inline int32_t group_start(Group *groups, int32_t *ng, Py_ssize_t i) {
     int32_t j = (*ng)++;
     groups[j].first = groups[j].last = (int32_t)i;
     groups[j].n = 1;
-    groups[j].kind = kind;
     return j;
 }
 
@@ -719,7 +717,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             if (j > barrier) {
                 group_join(groups, next_item, j, i);
             } else {
-                j = group_start(groups, &ng, i, K_REMOVED);
+                j = group_start(groups, &ng, i);
                 last_removal[d] = j;
             }
             for (Py_ssize_t q = 0; q < it->nseg; q++) {
@@ -752,7 +750,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
         if (join) {
             group_join(groups, next_item, j, i);
         } else {
-            j = group_start(groups, &ng, i, K_STORED);
+            j = group_start(groups, &ng, i);
             groups[j].chain_ok = (char)(s->splittable && !(s->parent >= 0 && removed[s->parent]));
         }
         for (int32_t p = g.start; p < g.end; p++) {

@@ -282,6 +282,18 @@ def _cancel(events: list[Any], counts: Counter[str]) -> list[Any]:
 # --- rule 5: sink removals ----------------------------------------------------
 
 
+def _removal_key(ev: Any) -> Hashable:
+    """What two removals that may merge share: class and every field but the
+    hashes.  A removal with an unhashable field this module does not know gets
+    a key of its own (never merged).  O(fields)."""
+    key: Hashable = _attrs(ev, _REMOVED_PER_BLOCK)
+    try:
+        hash(key)
+    except TypeError:
+        return ("id", id(ev))
+    return key
+
+
 def _sink_removals(events: list[Any], counts: Counter[str]) -> list[Any]:
     """Rule 5, one forward pass over stores, removals and moves (no clears).
 
@@ -310,11 +322,7 @@ def _sink_removals(events: list[Any], counts: Counter[str]) -> list[Any]:
     for ev in events:
         kind = event_kind(ev)
         if kind == REMOVED:
-            gkey: Hashable = _attrs(ev, _REMOVED_PER_BLOCK)
-            try:
-                hash(gkey)
-            except TypeError:  # an unhashable field we do not know: never merged
-                gkey = ("id", id(ev))
+            gkey = _removal_key(ev)
             entry = held.get(gkey)
             if entry is None:
                 held[gkey] = [ev, list(ev.block_hashes), 1]
@@ -456,11 +464,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
             medium, group = ev.medium, _group(ev)
             keys = [(medium, group, h) for h in ev.block_hashes]
             barrier = max(floor, _latest(key_store, keys), _latest(parent_of, ev.block_hashes))
-            gkey: Hashable = _attrs(ev, _REMOVED_PER_BLOCK)
-            try:
-                hash(gkey)
-            except TypeError:  # an unhashable field we do not know: never merged
-                gkey = ("id", id(ev))
+            gkey = _removal_key(ev)
             j = last_removal.get(gkey, -1)
             if j > barrier:
                 removals = out[j].removals
