@@ -17,6 +17,13 @@
  * cost more in page faults than the rules), guarded against re-entry, and
  * freed after a call that grew them past 8 MiB.
  *
+ * compact_window() drives a whole window as coalesce.compactor._compact_py
+ * does (its oracle): adjacent batches of one registered batch class and rank
+ * folded into one list, the rules above on each group, each result batch a
+ * __copy__ of the group's first with the last one's ts and the new events.
+ * It declines (None) any window holding a batch or event it does not take,
+ * and the Python driver takes those whole.
+ *
  * What it accepts (anything else returns None before any output is built):
  * events of registered classes (register(): BlockStored, BlockRemoved,
  * AllBlocksCleared-like msgspec structs with no __post_init__); lists for the
@@ -1854,9 +1861,14 @@ PyDoc_STRVAR(compact_doc,
              "class that is not registered yet (register it and call again), or None\n"
              "for a window this accelerator declines.  O(events + block hashes).");
 
-static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
+/* Rules 2 to 6 on one folded group's events (an exact list, held by the
+ * caller): *out is a new list, counts[] the rules' (superseded, cancelled,
+ * merged) added.  1 on success; 0 to decline (*unknown is set when a class not
+ * registered yet is why); -1 on error (an exception is set). */
+static int compact_group(PyObject *events, PyObject **out_list, long counts[3],
+                         PyTypeObject **unknown) {
     State *st = &g_obj;
-    if (!PyList_CheckExact(events) || st->busy) Py_RETURN_NONE;
+    if (st->busy) return 0;
     st->busy = 1;
     Window w;
     memset(&w, 0, sizeof(w));
@@ -1864,22 +1876,12 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
     Item *a = NULL;
     SegVec sa = st->segs_a, sb = st->segs_b;
     sa.n = sb.n = 0;
-    PyObject *result = NULL;
-    PyTypeObject *unknown = NULL;
+    int status = -1;
     long cancelled = 0, merged = 0;
-    int r = read_window(events, &w, &unknown);
-    if (r < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (r == 0) {
-        if (unknown != NULL) {
-            Py_INCREF(unknown);
-            result = (PyObject *)unknown;
-        } else {
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
+    int r = read_window(events, &w, unknown);
+    if (r <= 0) {
+        if (r < 0) PyErr_NoMemory();
+        status = r;
         goto done;
     }
     Py_ssize_t n = w.nsrc, last_clear = -1;
@@ -1888,17 +1890,12 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
             last_clear = i;
             break;
         }
-    long superseded = last_clear > 0 ? (long)last_clear : 0;
     Py_ssize_t na = 0;
     SegVec *rs = NULL;
     r = run_rules(&w, last_clear + 1, &sa, &sb, &a, &na, &rs, &cancelled, &merged);
     if (r <= 0) {
-        if (r < 0)
-            PyErr_NoMemory();
-        else {
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
+        if (r < 0) PyErr_NoMemory();
+        status = r;
         goto done;
     }
     Py_ssize_t head = last_clear >= 0 ? 1 : 0;
@@ -1917,13 +1914,34 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
         }
         PyList_SET_ITEM(out, head + i, ev);
     }
-    result = Py_BuildValue("(Nlll)", out, superseded, cancelled, merged);
+    *out_list = out;
+    counts[0] += last_clear > 0 ? (long)last_clear : 0;
+    counts[1] += cancelled;
+    counts[2] += merged;
+    status = 1;
 done:
     st->segs_a = sa;
     st->segs_b = sb;
     trim_all(st);
     st->busy = 0;
-    return result;
+    return status;
+}
+
+static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
+    if (!PyList_CheckExact(events)) Py_RETURN_NONE;
+    PyObject *out = NULL;
+    PyTypeObject *unknown = NULL;
+    long counts[3] = {0, 0, 0};
+    int r = compact_group(events, &out, counts, &unknown);
+    if (r < 0) return NULL;
+    if (r == 0) {
+        if (unknown != NULL) {
+            Py_INCREF(unknown);
+            return (PyObject *)unknown;
+        }
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(Nlll)", out, counts[0], counts[1], counts[2]);
 }
 
 PyDoc_STRVAR(all_known_doc,
@@ -1944,11 +1962,281 @@ static PyObject *cc_all_known(PyObject *self, PyObject *events) {
     Py_RETURN_TRUE;
 }
 
+/* ---- a whole window: rule 1 (fold), then the rules on each group ----------- */
+
+/* A batch class: where its ts, events and data_parallel_rank are.  ok == 0:
+ * windows that hold it are declined (the Python driver takes them). */
+typedef struct {
+    PyTypeObject *type; /* strong reference, kept for the process's life */
+    int ok;
+    Py_ssize_t off_ts, off_events, off_rank;
+} BatchInfo;
+
+static BatchInfo g_btypes[MAX_TYPES];
+static int g_nbtypes = 0;
+static PyObject *s_ts = NULL, *s_events = NULL, *s_rank = NULL;
+
+static BatchInfo *find_btype(PyTypeObject *tp) {
+    for (int i = 0; i < g_nbtypes; i++)
+        if (g_btypes[i].type == tp) return &g_btypes[i];
+    return NULL;
+}
+
+PyDoc_STRVAR(register_batch_doc,
+             "register_batch(cls, ok) -> bool\n\n"
+             "Record a batch class and the slot offsets of its ts, events and\n"
+             "data_parallel_rank fields.  ok false, or a field that is not a slot, means:\n"
+             "decline windows that hold it.  Returns whether windows of it are taken\n"
+             "(False too when the table of batch classes is full).  O(1).");
+
+static PyObject *cc_register_batch(PyObject *self, PyObject *args) {
+    PyObject *cls;
+    int ok;
+    if (!PyArg_ParseTuple(args, "O!p", &PyType_Type, &cls, &ok)) return NULL;
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    BatchInfo *known = find_btype(tp);
+    if (known != NULL) return PyBool_FromLong(known->ok);
+    if (g_nbtypes >= MAX_TYPES) Py_RETURN_FALSE;
+    BatchInfo bi;
+    bi.off_ts = member_offset(tp, s_ts);
+    bi.off_events = member_offset(tp, s_events);
+    bi.off_rank = member_offset(tp, s_rank);
+    bi.ok = ok && bi.off_ts >= 0 && bi.off_events >= 0 && bi.off_rank >= 0;
+    Py_INCREF(tp);
+    bi.type = tp;
+    g_btypes[g_nbtypes++] = bi;
+    return PyBool_FromLong(bi.ok);
+}
+
+/* Why check_batch declined: nothing to ask, or a class to register first. */
+typedef struct {
+    int code; /* 0: an event class, 1: a batch class */
+    PyTypeObject *type;
+} Ask;
+
+/* 1 when the window call takes batch `b` (a registered batch class, an exact
+ * list of events all of registered KV classes, a rank None or an exact int);
+ * 0 otherwise, with ask->type set when an unregistered class is why.
+ * Allocates nothing, so no Python code runs. */
+static int check_batch(PyObject *b, BatchInfo **bip, Ask *ask) {
+    BatchInfo *bi = find_btype(Py_TYPE(b));
+    if (bi == NULL) {
+        ask->code = 1;
+        ask->type = Py_TYPE(b);
+        return 0;
+    }
+    if (!bi->ok) return 0;
+    PyObject *events = FIELD(b, bi->off_events);
+    PyObject *rank = FIELD(b, bi->off_rank);
+    if (events == NULL || !PyList_CheckExact(events) || FIELD(b, bi->off_ts) == NULL ||
+        rank == NULL || !(rank == Py_None || PyLong_CheckExact(rank)))
+        return 0;
+    PyTypeObject *last = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(events, i));
+        if (tp == last) continue;
+        TypeInfo *ti = find_type(tp);
+        if (ti == NULL) {
+            ask->code = 0;
+            ask->type = tp;
+            return 0;
+        }
+        if (ti->kind == K_OPAQUE) return 0;
+        last = tp;
+    }
+    *bip = bi;
+    return 1;
+}
+
+/* Ranks already checked None or exact ints: comparing them runs no Python code. */
+static int same_rank(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (a == Py_None || b == Py_None) return 0;
+    return PyObject_RichCompareBool(a, b, Py_EQ) == 1;
+}
+
+/* A copy of `first` with `ts` and `events` (both references stolen), as
+ * msgspec.structs.replace(first, ts=ts, events=events) builds it. */
+static PyObject *rebuild_batch(PyObject *first, const BatchInfo *bi, PyObject *ts,
+                               PyObject *events) {
+    PyObject *obj = PyObject_CallMethodNoArgs(first, s_copy);
+    if (obj != NULL && Py_TYPE(obj) != bi->type) {
+        Py_DECREF(obj);
+        obj = NULL;
+        PyErr_SetString(PyExc_TypeError, "__copy__ returned another type");
+    }
+    if (obj == NULL) {
+        Py_DECREF(ts);
+        Py_DECREF(events);
+        return NULL;
+    }
+    set_field(obj, bi->off_ts, ts);
+    set_field(obj, bi->off_events, events);
+    return obj;
+}
+
+/* The events of batches [i, j) in one new list (strong references); NULL with
+ * *declined set when a batch changed since it was checked (an allocation may
+ * run a finalizer, which may run any code), NULL alone on error. */
+static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, const BatchInfo *bi,
+                             Py_ssize_t total, int *declined) {
+    PyObject *evs = PyList_New(total);
+    if (evs == NULL) return NULL;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t k = i; k < j; k++) {
+        PyObject *b = PyTuple_GET_ITEM(batches, k);
+        PyObject *events = FIELD(b, bi->off_events);
+        if (events == NULL || !PyList_CheckExact(events) ||
+            PyList_GET_SIZE(events) > total - at) {
+            Py_DECREF(evs); /* (its unset items are NULL: list_dealloc skips them) */
+            *declined = 1;
+            return NULL;
+        }
+        for (Py_ssize_t e = 0; e < PyList_GET_SIZE(events); e++) {
+            PyObject *x = PyList_GET_ITEM(events, e);
+            Py_INCREF(x);
+            PyList_SET_ITEM(evs, at++, x);
+        }
+    }
+    if (at != total) {
+        Py_DECREF(evs);
+        *declined = 1;
+        return NULL;
+    }
+    /* the classes again, now that the list holds them (fold_only reads them no more) */
+    PyTypeObject *last = NULL;
+    for (Py_ssize_t e = 0; e < total; e++) {
+        PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(evs, e));
+        if (tp == last) continue;
+        TypeInfo *ti = find_type(tp);
+        if (ti == NULL || ti->kind == K_OPAQUE) {
+            Py_DECREF(evs);
+            *declined = 1;
+            return NULL;
+        }
+        last = tp;
+    }
+    return evs;
+}
+
+PyDoc_STRVAR(compact_window_doc,
+             "compact_window(batches, fold_only) -> (batches, events_in, events_out, folded,\n"
+             "    superseded, cancelled, merged) | (code, cls) | None\n\n"
+             "coalesce.compactor.compact(batches, fold_only=fold_only) without moves, in\n"
+             "one call: adjacent batches of one class and rank folded, then (unless\n"
+             "fold_only) rules 2 to 6 on each group, the result the same objects where\n"
+             "nothing changed.  Returns (0, cls) or (1, cls) for an event or batch class\n"
+             "not registered yet (register it and call again), None for a window it\n"
+             "declines: any batch or event of a class declined, events not a list, a\n"
+             "rank other than None or an int.  O(batches + events + block hashes).");
+
+static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
+    PyObject *given;
+    int fold_only;
+    if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &given, &fold_only)) return NULL;
+    PyObject *batches = PyList_AsTuple(given); /* held: the caller's list may change */
+    if (batches == NULL) return NULL;
+    PyObject *out = PyList_New(0), *result = NULL;
+    if (out == NULL) goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(batches), events_in = 0, events_out = 0, groups = 0;
+    long counts[3] = {0, 0, 0};
+    Ask ask = {0, NULL};
+    Py_ssize_t i = 0;
+    while (i < n) {
+        PyObject *first = PyTuple_GET_ITEM(batches, i);
+        BatchInfo *bi = NULL;
+        if (!check_batch(first, &bi, &ask)) goto decline;
+        PyObject *rank = FIELD(first, bi->off_rank);
+        Py_ssize_t total = PyList_GET_SIZE(FIELD(first, bi->off_events));
+        Py_ssize_t j = i + 1;
+        for (; j < n; j++) {
+            PyObject *b = PyTuple_GET_ITEM(batches, j);
+            BatchInfo *bj = NULL;
+            if (!check_batch(b, &bj, &ask)) goto decline;
+            if (bj != bi || !same_rank(FIELD(b, bi->off_rank), rank)) break;
+            total += PyList_GET_SIZE(FIELD(b, bi->off_events));
+        }
+        events_in += total;
+        groups++;
+        if (fold_only && j == i + 1) { /* nothing to fold */
+            if (PyList_Append(out, first) < 0) goto done;
+            events_out += total;
+            i = j;
+            continue;
+        }
+        PyObject *last = PyTuple_GET_ITEM(batches, j - 1);
+        PyObject *ts = FIELD(last, bi->off_ts);
+        Py_INCREF(ts); /* before anything allocates */
+        int declined = 0;
+        PyObject *evs = fold_events(batches, i, j, bi, total, &declined);
+        if (evs == NULL) {
+            Py_DECREF(ts);
+            if (declined) goto decline;
+            goto done;
+        }
+        PyObject *new = evs;
+        if (!fold_only) {
+            int r = compact_group(evs, &new, counts, &ask.type);
+            if (r <= 0) {
+                Py_DECREF(ts);
+                Py_DECREF(evs);
+                if (r == 0) {
+                    ask.code = 0;
+                    goto decline;
+                }
+                goto done;
+            }
+            int same = j == i + 1 && PyList_GET_SIZE(new) == total;
+            for (Py_ssize_t e = 0; same && e < total; e++)
+                same = PyList_GET_ITEM(new, e) == PyList_GET_ITEM(evs, e);
+            Py_DECREF(evs);
+            if (same) { /* the rules changed nothing: the batch as given */
+                Py_DECREF(new);
+                Py_DECREF(ts);
+                if (PyList_Append(out, first) < 0) goto done;
+                events_out += total;
+                i = j;
+                continue;
+            }
+        }
+        Py_ssize_t m = PyList_GET_SIZE(new);
+        if (m == 0) { /* compacted to nothing: nothing to send */
+            Py_DECREF(new);
+            Py_DECREF(ts);
+            i = j;
+            continue;
+        }
+        PyObject *batch = rebuild_batch(first, bi, ts, new);
+        if (batch == NULL) goto done;
+        int r = PyList_Append(out, batch);
+        Py_DECREF(batch);
+        if (r < 0) goto done;
+        events_out += m;
+        i = j;
+    }
+    result = Py_BuildValue("(Onnnlll)", out, events_in, events_out, n - groups, counts[0],
+                           counts[1], counts[2]);
+    goto done;
+decline:
+    if (ask.type != NULL)
+        result = Py_BuildValue("(iO)", ask.code, (PyObject *)ask.type);
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    Py_XDECREF(out);
+    Py_DECREF(batches);
+    return result;
+}
+
 static PyMethodDef cc_methods[] = {
     {"all_known", cc_all_known, METH_O, all_known_doc},
     {"register", cc_register, METH_VARARGS, register_doc},
     {"compact_events", cc_compact_events, METH_O, compact_doc},
     {"compact_payload", cc_compact_payload, METH_VARARGS, compact_payload_doc},
+    {"register_batch", cc_register_batch, METH_VARARGS, register_batch_doc},
+    {"compact_window", cc_compact_window, METH_VARARGS, compact_window_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1960,6 +2248,9 @@ static struct PyModuleDef cc_module = {
 
 PyMODINIT_FUNC PyInit__ccompact(void) {
     s_copy = PyUnicode_InternFromString("__copy__");
-    if (s_copy == NULL) return NULL;
+    s_ts = PyUnicode_InternFromString("ts");
+    s_events = PyUnicode_InternFromString("events");
+    s_rank = PyUnicode_InternFromString("data_parallel_rank");
+    if (s_copy == NULL || s_ts == NULL || s_events == NULL || s_rank == NULL) return NULL;
     return PyModule_Create(&cc_module);
 }

@@ -718,19 +718,45 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
         _register(result)
 
 
+def _accelerated_window(batches: list[Any], fold_only: bool) -> tuple[Any, ...] | None:
+    """The C driver's result for a whole window (fold, then each group's rules),
+    or None for a window it declines.  O(batches + events + hashes).
+
+    As :func:`_accelerated`, the first window holding a class the accelerator
+    does not know offers it (once per class), then calls again.
+    """
+    assert _accel is not None
+    tried: set[type] = set()
+    while True:
+        result = _accel.compact_window(batches, fold_only)
+        if result is None or len(result) != 2:
+            return result  # type: ignore[no-any-return]
+        code, cls = result
+        if cls in tried:
+            return None
+        tried.add(cls)
+        if code == 0:
+            _register(cls)
+        else:
+            _accel.register_batch(cls, _rebuildable(cls))
+
+
+def _rebuildable(cls: type) -> bool:
+    """Whether ``__copy__`` and a field write rebuild an instance of ``cls`` exactly
+    as ``msgspec.structs.replace`` would (no ``__post_init__``, no cached hash)."""
+    config = getattr(cls, "__struct_config__", None)
+    return not (
+        hasattr(cls, "__post_init__")
+        or getattr(config, "cache_hash", False)
+        or getattr(cls, "__copy__", None) is not msgspec.Struct.__copy__  # type: ignore[attr-defined]
+    )
+
+
 def _accel_kind(cls: type) -> int:
     """The kind the accelerator may treat ``cls`` as: OPAQUE (decline) unless its
     instances can be rebuilt by ``__copy__`` and a field write exactly as
     ``msgspec.structs.replace`` would (no ``__post_init__``, no cached hash)."""
-    kind = event_kind_of_class(cls)
-    config = getattr(cls, "__struct_config__", None)
-    if (
-        hasattr(cls, "__post_init__")
-        or getattr(config, "cache_hash", False)
-        or getattr(cls, "__copy__", None) is not msgspec.Struct.__copy__  # type: ignore[attr-defined]
-    ):
-        return OPAQUE
-    return kind
+    return event_kind_of_class(cls) if _rebuildable(cls) else OPAQUE
 
 
 def _compact_events_py(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:
@@ -778,11 +804,35 @@ def compact(
     as it would have).  With ``move_events``, ``BlockMoved`` events are sent in
     batches of their own.  With ``fold_only``, rule 1 alone is applied.
 
-    Cost: O(events + block hashes) time and memory; no I/O.  With
-    ``fold_only`` it is one list concatenation per group (C-level copies),
-    far cheaper per event than the rules' Python passes; docs/benchmarks.md
-    has both measured against encoding.
+    Cost: O(batches + events + block hashes) time and memory; no I/O.  With
+    the accelerator built, a window without moves is folded and compacted in
+    one C call (the Python driver, :func:`_compact_py`, takes the windows it
+    declines); with ``fold_only`` it is one list concatenation per group.
+    docs/benchmarks.md has both measured against encoding.
     """
+    if _accel is not None and not move_events and type(batches) is list:
+        result = _accelerated_window(batches, fold_only)
+        if result is not None:
+            out, events_in, events_out, folded, superseded, cancelled, merged = result
+            return out, CompactionReport(
+                batches_in=len(batches),
+                batches_out=len(out),
+                events_in=events_in,
+                events_out=events_out,
+                folded=folded,
+                superseded=superseded,
+                cancelled=cancelled,
+                merged=merged,
+            )
+    return _compact_py(batches, move_events, fold_only)
+
+
+def _compact_py(
+    batches: Sequence[Any], move_events: bool, fold_only: bool
+) -> tuple[list[Any], CompactionReport]:
+    """:func:`compact`'s driver in Python: the fallback for windows the C one
+    declines (and for moves), and its oracle.  Each group's rules still run in C
+    when the accelerator takes them (:func:`_compact_events`)."""
     counts: Counter[str] = Counter()  # rule counters, by CompactionReport field name
     out: list[Any] = []
     events_in = 0

@@ -286,6 +286,120 @@ def test_no_references_leak() -> None:
     assert [sys.getrefcount(o) for o in watched] == counts
 
 
+# --- the window driver (compact_window): rule 1 and each group's rules in one call ---
+
+
+class OtherBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A second batch class: other field order, an extra field."""
+
+    events: list[Any]
+    ts: float
+    data_parallel_rank: int | None = None
+    note: str | None = None
+
+
+class BatchWithPostInit(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        pass
+
+
+class NotKV(msgspec.Struct, tag="SomethingElse"):
+    x: int = 0
+
+
+@st.composite
+def windows(draw: Any, accepted: bool) -> list[Any]:
+    """Batches of both batch classes and ranks, each with a slice of one event list;
+    unless ``accepted``, with now and then a batch the C driver declines."""
+    events: list[Any] = draw(event_lists(ints))
+    out: list[Any] = []
+    i = 0
+    while i < len(events) or (not out and draw(st.booleans())):
+        n = draw(st.integers(0, 5))
+        part, i = events[i : i + n], i + n
+        rank = draw(st.sampled_from([0, 0, 0, 1, None, 2**70]))
+        kind = draw(st.sampled_from(["kv", "kv", "kv", "other"] + ([] if accepted else ["odd"])))
+        ts = float(len(out))
+        if kind == "kv":
+            out.append(KVEventBatch(ts=ts, events=part, data_parallel_rank=rank))
+        elif kind == "other":
+            out.append(OtherBatch(part, ts, rank))
+        else:
+            odd = draw(st.sampled_from(["not kv", "post_init", "tuple", "rank"]))
+            if odd == "not kv":
+                out.append(KVEventBatch(ts=ts, events=[*part, NotKV()], data_parallel_rank=rank))
+            elif odd == "post_init":
+                out.append(BatchWithPostInit(ts, part, rank))
+            elif odd == "tuple":
+                out.append(KVEventBatch(ts=ts, events=tuple(part)))  # type: ignore[arg-type]
+            else:
+                out.append(KVEventBatch(ts=ts, events=part, data_parallel_rank="0"))  # type: ignore[arg-type]
+    return out
+
+
+def assert_window_same(batches: list[Any], fold_only: bool) -> None:
+    before = copy.deepcopy(batches)
+    out_c, rep_c = compactor.compact(list(batches), fold_only=fold_only)
+    accel, compactor._accel = compactor._accel, None
+    try:
+        out_py, rep_py = compactor.compact(list(batches), fold_only=fold_only)
+    finally:
+        compactor._accel = accel
+    assert out_c == out_py
+    assert [type(b) for b in out_c] == [type(b) for b in out_py]
+    for a, b in zip(out_c, out_py, strict=True):
+        assert [type(e) for e in a.events] == [type(e) for e in b.events]
+        assert (a is b) == any(a is x for x in batches), "the same batch where nothing changed"
+    assert rep_c == rep_py
+    assert batches == before, "the accelerator must never modify its input"
+
+
+@given(windows(accepted=True), st.booleans())
+def test_windows_match_the_python_driver(batches: list[Any], fold_only: bool) -> None:
+    assert compactor._accelerated_window(list(batches), fold_only) is not None
+    assert_window_same(batches, fold_only)
+
+
+@given(windows(accepted=False), st.booleans())
+def test_declined_windows_match_the_python_driver(batches: list[Any], fold_only: bool) -> None:
+    assert_window_same(batches, fold_only)
+
+
+def test_windows_of_declined_batches_are_declined() -> None:
+    ok = KVEventBatch(ts=0.0, events=[BlockRemoved([1], "GPU")])
+    compactor.compact([ok, ok])
+    for odd in (
+        KVEventBatch(ts=1.0, events=[NotKV()]),
+        BatchWithPostInit(1.0, [BlockRemoved([2], "GPU")]),
+        KVEventBatch(ts=1.0, events=(BlockRemoved([2], "GPU"),)),  # type: ignore[arg-type]
+        KVEventBatch(ts=1.0, events=[], data_parallel_rank=1.5),  # type: ignore[arg-type]
+    ):
+        for fold_only in (False, True):
+            assert compactor._accelerated_window([ok, odd, ok], fold_only) is None
+            assert_window_same([ok, odd, ok], fold_only)
+
+
+def test_the_window_driver_leaks_no_references() -> None:
+    events = [
+        BlockStored([10, 11], None, [1, 2, 3, 4], BLOCK, None, "GPU", None),
+        BlockRemoved([10], "GPU"),
+        BlockStored([12], 11, [5, 6], BLOCK, None, "GPU", None),
+    ]
+    batches = [KVEventBatch(ts=float(i), events=[e]) for i, e in enumerate(events)]
+    batches.append(KVEventBatch(ts=9.0, events=[BlockRemoved([99], "CPU")], data_parallel_rank=1))
+    watched = [*events, *batches, *(b.events for b in batches), *(b.ts for b in batches)]
+    counts = [sys.getrefcount(o) for o in watched]
+    for fold_only in (False, True) * 100:
+        result = compactor._accelerated_window(list(batches), fold_only)
+        assert result is not None and len(result) == 7
+        del result
+    assert [sys.getrefcount(o) for o in watched] == counts
+
+
 def test_is_kv_batch_answered_in_c_only_for_known_classes() -> None:
     batch = KVEventBatch(ts=0.0, events=[BlockRemoved([1], "GPU")])
     compactor.compact([batch, batch])  # registers the class
