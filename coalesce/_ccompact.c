@@ -1949,16 +1949,25 @@ PyDoc_STRVAR(all_known_doc,
              "True when every event of the list is of a class registered with a kind\n"
              "this accelerator handles; None otherwise (the caller decides).  O(events).");
 
-static PyObject *cc_all_known(PyObject *self, PyObject *events) {
-    if (!PyList_CheckExact(events)) Py_RETURN_NONE;
+/* 1 when every event of the exact list `events` is of a class registered with
+ * a kind the rules handle; 0 otherwise, with *unknown set to the first class
+ * not registered yet, if that is why.  O(events); allocates nothing. */
+static int all_kv(PyObject *events, PyTypeObject **unknown) {
     PyTypeObject *last = NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
         PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(events, i));
         if (tp == last) continue;
         TypeInfo *ti = find_type(tp);
-        if (ti == NULL || ti->kind == K_OPAQUE) Py_RETURN_NONE;
+        if (ti == NULL) *unknown = tp;
+        if (ti == NULL || ti->kind == K_OPAQUE) return 0;
         last = tp;
     }
+    return 1;
+}
+
+static PyObject *cc_all_known(PyObject *self, PyObject *events) {
+    PyTypeObject *unknown = NULL;
+    if (!PyList_CheckExact(events) || !all_kv(events, &unknown)) Py_RETURN_NONE;
     Py_RETURN_TRUE;
 }
 
@@ -2031,19 +2040,8 @@ static int check_batch(PyObject *b, BatchInfo **bip, Ask *ask) {
     if (events == NULL || !PyList_CheckExact(events) || FIELD(b, bi->off_ts) == NULL ||
         rank == NULL || !(rank == Py_None || PyLong_CheckExact(rank)))
         return 0;
-    PyTypeObject *last = NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
-        PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(events, i));
-        if (tp == last) continue;
-        TypeInfo *ti = find_type(tp);
-        if (ti == NULL) {
-            ask->code = 0;
-            ask->type = tp;
-            return 0;
-        }
-        if (ti->kind == K_OPAQUE) return 0;
-        last = tp;
-    }
+    ask->code = 0;
+    if (!all_kv(events, &ask->type)) return 0;
     *bip = bi;
     return 1;
 }
@@ -2104,17 +2102,11 @@ static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, cons
         return NULL;
     }
     /* the classes again, now that the list holds them (fold_only reads them no more) */
-    PyTypeObject *last = NULL;
-    for (Py_ssize_t e = 0; e < total; e++) {
-        PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(evs, e));
-        if (tp == last) continue;
-        TypeInfo *ti = find_type(tp);
-        if (ti == NULL || ti->kind == K_OPAQUE) {
-            Py_DECREF(evs);
-            *declined = 1;
-            return NULL;
-        }
-        last = tp;
+    PyTypeObject *unknown = NULL;
+    if (!all_kv(evs, &unknown)) {
+        Py_DECREF(evs);
+        *declined = 1;
+        return NULL;
     }
     return evs;
 }
