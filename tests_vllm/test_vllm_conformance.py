@@ -233,6 +233,24 @@ def test_vllms_classes_take_the_c_rules_and_match_the_python_ones():
     assert taken[1:] == (counts["superseded"], counts["cancelled"], counts["merged"])
 
 
+
+def test_vllms_batches_take_the_c_window_driver_and_match_the_python_one():
+    """vLLM's KVEventBatch is read by the C window driver (its ts, events and rank
+    slots), ranks and folds as the Python driver does, for both levels."""
+    from coalesce import compactor
+
+    if compactor._accel is None:
+        pytest.skip("the C accelerator is not built")
+    batches = [offload(i) for i in range(40)]
+    batches[10] = vk.KVEventBatch(ts=10.0, events=batches[10].events, data_parallel_rank=1)
+    for fold_only in (False, True):
+        assert compactor._accelerated_window(list(batches), fold_only) is not None
+        out_c, rep_c = compactor.compact(list(batches), fold_only=fold_only)
+        out_py, rep_py = compactor._compact_py(list(batches), False, fold_only)
+        assert out_c == out_py and rep_c == rep_py
+        assert {type(b) for b in out_c} == {vk.KVEventBatch}
+        assert rep_c.batches_out == 3  # the rank-1 batch splits the window in three
+
 # -- vLLM's own publisher scenarios, in our words, through vLLM's factory ---------------
 
 
