@@ -2075,9 +2075,11 @@ static PyObject *rebuild_batch(PyObject *first, const BatchInfo *bi, PyObject *t
 
 /* The events of batches [i, j) in one new list (strong references); NULL with
  * *declined set when a batch changed since it was checked (an allocation may
- * run a finalizer, which may run any code), NULL alone on error. */
+ * run a finalizer, which may run any code), NULL alone on error.  With
+ * `check`, the events' classes are checked again too (the rules' read does
+ * that itself, so only the fold-only level asks). */
 static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, const BatchInfo *bi,
-                             Py_ssize_t total, int *declined) {
+                             Py_ssize_t total, int check, int *declined) {
     PyObject *evs = PyList_New(total);
     if (evs == NULL) return NULL;
     Py_ssize_t at = 0;
@@ -2101,9 +2103,8 @@ static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, cons
         *declined = 1;
         return NULL;
     }
-    /* the classes again, now that the list holds them (fold_only reads them no more) */
     PyTypeObject *unknown = NULL;
-    if (!all_kv(evs, &unknown)) {
+    if (check && !all_kv(evs, &unknown)) {
         Py_DECREF(evs);
         *declined = 1;
         return NULL;
@@ -2160,7 +2161,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         PyObject *ts = FIELD(last, bi->off_ts);
         Py_INCREF(ts); /* before anything allocates */
         int declined = 0;
-        PyObject *evs = fold_events(batches, i, j, bi, total, &declined);
+        PyObject *evs = fold_events(batches, i, j, bi, total, fold_only, &declined);
         if (evs == NULL) {
             Py_DECREF(ts);
             if (declined) goto decline;
