@@ -84,6 +84,38 @@ YIELD_EVERY = 0.0005
 Yielding after every step makes each step a GIL handoff (two context switches);
 never yielding lets the engine wait for CPython's 5 ms switch interval."""
 
+PRESSURE_FROM = 0.25
+"""Share of the event budget (``max_pending_events``) pending above which the
+sender holds the GIL longer than ``YIELD_EVERY`` before handing it back."""
+
+PRESSURE_FULL = 0.75
+"""Share of the event budget pending from which the sender works ``PRESSURE_SLICE``
+before handing the GIL back."""
+
+PRESSURE_SLICE = 0.005
+"""Seconds of continuous sender work at a full event budget: CPython's default
+switch interval, the longest an engine thread waits for the GIL from any other
+Python thread."""
+
+
+def yield_slice(pending_events: int, budget: int) -> float:
+    """Seconds of continuous work after which the sender yields the GIL, O(1).
+
+    ``YIELD_EVERY`` while at most ``PRESSURE_FROM`` of the event budget is
+    pending (events, or batches if more: both count to it); above it,
+    growing linearly to ``PRESSURE_SLICE`` at ``PRESSURE_FULL`` of it.  Near the
+    budget the next batches would be refused, each a gap (and a resync) for
+    every subscriber: the sender then takes a larger share of the GIL from
+    the engine, a bounded wait at its GIL hand-offs (never in ``publish()``'s
+    own work) instead of a loss.  The engine is slowed only while the backlog
+    is that deep, never blocked.
+    """
+    floor = PRESSURE_FROM * budget
+    if pending_events <= floor:
+        return YIELD_EVERY
+    share = min(1.0, (pending_events - floor) / ((PRESSURE_FULL - PRESSURE_FROM) * budget))
+    return (1.0 - share) * YIELD_EVERY + share * PRESSURE_SLICE
+
 
 class Level(enum.IntEnum):
     """The ladder: what the sender does with the backlog (docs/backpressure.md)."""
@@ -298,6 +330,7 @@ class Sender:
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
         self._last_yield = 0.0
+        self._pressure_from = PRESSURE_FROM * backlog.max_events
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
@@ -750,11 +783,17 @@ class Sender:
         self._emit(self._encoder.encode(empty), 0)
 
     def _maybe_yield(self) -> None:
-        """Hand the GIL to the engine if the sender has held it for YIELD_EVERY."""
-        now = time.perf_counter()
-        if now - self._last_yield >= YIELD_EVERY:
-            time.sleep(0)
-            self._last_yield = time.perf_counter()
+        """Hand the GIL to the engine if the sender has held it for its slice
+        (``yield_slice``: ``YIELD_EVERY``, longer near the event budget)."""
+        held = time.perf_counter() - self._last_yield
+        if held < YIELD_EVERY:
+            return
+        backlog = self._backlog
+        pending = max(backlog.pending_events, backlog.waiting)  # both count to the budget
+        if pending > self._pressure_from and held < yield_slice(pending, backlog.max_events):
+            return
+        time.sleep(0)
+        self._last_yield = time.perf_counter()
 
     # -- encode and send ---------------------------------------------------------
 

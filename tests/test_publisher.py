@@ -354,6 +354,27 @@ def test_event_budget_counts_events(pubs):
     assert (a, b) == (PublishOutcome.QUEUED, PublishOutcome.DROPPED)
 
 
+def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget():
+    from coalesce._sender import (
+        PRESSURE_FROM,
+        PRESSURE_FULL,
+        PRESSURE_SLICE,
+        YIELD_EVERY,
+        yield_slice,
+    )
+
+    budget = 1000
+    floor, full = int(PRESSURE_FROM * budget), int(PRESSURE_FULL * budget)
+    assert 0 < floor < full <= budget
+    assert yield_slice(0, budget) == yield_slice(floor, budget) == YIELD_EVERY
+    slices = [yield_slice(n, budget) for n in range(floor, budget + 1)]
+    assert all(a <= b for a, b in itertools.pairwise(slices))  # more pending: never shorter
+    assert YIELD_EVERY < yield_slice(floor + 1, budget) < PRESSURE_SLICE
+    assert yield_slice(full - 1, budget) < PRESSURE_SLICE
+    assert yield_slice(full, budget) == yield_slice(3 * budget, budget) == PRESSURE_SLICE
+    assert PRESSURE_SLICE <= 0.005  # never longer than CPython's default switch interval
+
+
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
