@@ -11,7 +11,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 .PHONY: demo test test-vllm lint bench check-c clean
 
 # setup.py builds the optional C accelerators in place; a C change reinstalls.
-$(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_cstruct.h
+$(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,plot]'
@@ -23,7 +23,7 @@ demo: $(STAMP)            ## the main job: a burst through the publisher, with s
 test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis)
 	$(BIN)/python -m pytest -q
 
-$(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_cstruct.h requirements/vllm-conformance.txt
+$(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/vllm-conformance.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q -r requirements/vllm-conformance.txt

@@ -2,8 +2,10 @@
 
 ``optional=True``: if an extension fails to build (no compiler, no Python
 headers), installation goes on and coalesce runs its pure-Python
-compactor or recorder.
+compactor or recorder, or sends through pyzmq alone.
 """
+
+import sys
 
 from setuptools import Extension, setup
 
@@ -17,5 +19,14 @@ setup(
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
         for name in ("_ccompact", "_crecord")
+    ]
+    + [
+        Extension(
+            "coalesce._csend",
+            ["coalesce/_csend.c"],
+            optional=True,
+            libraries=["dl"] if sys.platform.startswith("linux") else [],
+            extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        )
     ]
 )

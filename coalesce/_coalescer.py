@@ -52,7 +52,7 @@ import zmq
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
-from coalesce._wire import Encoder, open_sockets, send_message
+from coalesce._wire import Encoder, message_sender, open_sockets
 from coalesce.compactor import compact_payload
 from coalesce.events import KVEventBatch
 
@@ -304,6 +304,7 @@ class Coalescer:
             hwm=spec["hwm"],
             replay_window=settings.replay_window,
         )
+        self._send_message = message_sender(self._socks.pub)
         self._topic = bytes.fromhex(spec["topic"])
         self._linger = int(settings.shutdown_timeout * 1000)
         self._buffer = ReplayBuffer(spec["buffer_steps"])
@@ -420,7 +421,7 @@ class Coalescer:
         c = self._c
         seq = self._covered_seq() + 1  # after the gap of a pending loss, if any
         c["next_seq"] = seq + 1
-        send_message(self._socks.pub, self._topic, seq, payload)
+        self._send_message(self._topic, seq, payload)
         self._buffer.append(seq, payload)
         self._last_sent = time.monotonic()
         c["messages_sent"] += 1

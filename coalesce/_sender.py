@@ -33,7 +33,7 @@ from coalesce._payoff import Payoff
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
-from coalesce._wire import Encoder, open_sockets, send_message
+from coalesce._wire import Encoder, SendMessage, message_sender, open_sockets
 from coalesce.compactor import (
     PAYLOAD_RELEASE_AT,
     accelerated,
@@ -292,6 +292,7 @@ class Sender:
         link: CoalescerProcess | None = None,
     ) -> None:
         self._pub = pub
+        self._send_message: SendMessage | None = None if pub is None else message_sender(pub)
         self._link = link
         """The coalescer process that sends for this one (``coalescer="process"``), until
         it fails: then this thread binds the endpoints and sends itself."""
@@ -843,8 +844,9 @@ class Sender:
             t.seq_gaps += 1
         seq = self._seq
         self._seq += 1
-        assert self._pub is not None  # no coalescer process: this thread's own socket
-        send_message(self._pub, self._topic, seq, payload)
+        send = self._send_message
+        assert send is not None  # no coalescer process: this thread's own socket
+        send(self._topic, seq, payload)  # holding the GIL where it can (_wire)
         self._buffer.append(seq, payload)
         if self._heartbeat:
             self._last_sent = time.monotonic()
@@ -936,6 +938,7 @@ class Sender:
             replay_window=self._settings.replay_window,
         )
         self._pub, self._router = socks.pub, socks.router
+        self._send_message = message_sender(socks.pub)
         if socks.snapshot is not None:  # a new recorder, unavailable until a clear
             assert self._publisher_id is not None
             self.snapshot = SnapshotService.from_settings(

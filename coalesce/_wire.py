@@ -1,13 +1,16 @@
 """Encode and send: one batch becomes one 3-frame ZMQ message.
 
-Frames: ``[topic, seq (8 bytes big-endian), msgpack payload]``, sent as
-three ``send()`` calls with a plain-int ``SNDMORE`` flag: ``send_multipart``
-builds an IntFlag per frame, which costs more than the send itself
-(docs/benchmarks.md and the facts sheet have the figures).
+Frames: ``[topic, seq (8 bytes big-endian), msgpack payload]``, sent by
+:func:`message_sender`'s function: one C call holding the GIL (the optional
+``coalesce._csend``), or else three pyzmq ``send()`` calls with a plain-int
+``SNDMORE`` flag (``send_multipart`` builds an IntFlag per frame, which costs
+more than the send itself; docs/benchmarks.md and the facts sheet have the
+figures).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,7 +20,17 @@ import zmq
 
 from coalesce._settings import is_bind_endpoint
 
-__all__ = ["END_SEQ", "Encoder", "Sockets", "open_sockets", "read_requests", "send_message"]
+__all__ = [
+    "END_SEQ",
+    "Encoder",
+    "SendMessage",
+    "Sockets",
+    "loaded_libzmq",
+    "message_sender",
+    "open_sockets",
+    "read_requests",
+    "send_message",
+]
 
 _MORE = int(zmq.SNDMORE)
 _POLLIN = int(zmq.POLLIN)
@@ -120,10 +133,94 @@ def _attach(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool) -> str:
 
 
 def send_message(sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes) -> None:
-    """Send one 3-frame message on a PUB socket.  Never blocks: PUB drops at its HWM."""
+    """Send one 3-frame message on a PUB socket through pyzmq.  Never blocks: PUB
+    drops at its HWM.  pyzmq releases the GIL for each frame (see
+    :func:`message_sender`)."""
     sock.send(topic, _MORE)
     sock.send(seq.to_bytes(8, "big"), _MORE)
     sock.send(payload)
+
+
+SendMessage = Callable[[bytes, int, bytes], None]
+"""``send(topic, seq, payload)``: one 3-frame message on one PUB socket."""
+
+
+def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
+    """How to send on this PUB socket: without releasing the GIL where possible.  O(1).
+
+    pyzmq releases the GIL around every frame it sends; a waiting engine
+    thread takes it each time, and the sender thread then waits for it
+    until the engine lets go (its GPU wait, or CPython's forced switch 5 ms
+    later), so a sender behind sends a message per 5 ms of engine work
+    (docs/backpressure.md, "Sending without handing the GIL over").  With
+    the C accelerator (``coalesce._csend``) the three frames go out in one
+    call to pyzmq's own libzmq, holding the GIL: a PUB send never blocks,
+    so this costs the engine only the copy of the frames.  Without it (not
+    built, not Linux, libzmq not found, or the handle not read back as this
+    PUB socket) :func:`send_message` is used.  Either raises
+    ``zmq.ZMQError`` for a closed socket.
+    """
+    native = _native()
+    if native is not None:
+        handle = int(sock.underlying)
+        if native.socket_type(handle) == int(zmq.PUB) == int(sock.type):
+            send = native.send
+
+            def send_native(topic: bytes, seq: int, payload: bytes) -> None:
+                if sock.closed:  # its handle is freed: never pass it on
+                    raise zmq.ZMQError(zmq.ENOTSOCK)
+                err = send(handle, topic, seq, payload)
+                if err:
+                    raise zmq.ZMQError(err)
+
+            return send_native
+
+    def send_pyzmq(topic: bytes, seq: int, payload: bytes) -> None:
+        send_message(sock, topic, seq, payload)
+
+    return send_pyzmq
+
+
+_NATIVE: list[Any] = []  # [module or None], once looked up
+
+
+def _native() -> Any:
+    """``coalesce._csend`` bound to the libzmq pyzmq loaded, or None.  O(1) after the
+    first call (which reads /proc/self/maps)."""
+    if not _NATIVE:
+        _NATIVE.append(_bind_native())
+    return _NATIVE[0]
+
+
+def _bind_native() -> Any:
+    if os.environ.get("COALESCE_NO_ACCEL") or os.environ.get("COALESCE_PYZMQ_SEND"):
+        return None  # forced off (A/B measurements; COALESCE_NO_ACCEL: every accelerator)
+    try:
+        from coalesce import _csend
+    except ImportError:
+        return None
+    path = loaded_libzmq()
+    if path is None or not _csend.bind(path):
+        return None
+    return _csend
+
+
+def loaded_libzmq() -> str | None:
+    """The path of the libzmq pyzmq loaded in this process, if there is exactly one
+    (else None: the native send is not used).  O(mapped files); Linux only."""
+    zmq.zmq_version()  # pyzmq's backend, and its libzmq, are loaded
+    paths = set()
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) == 6:
+                    path = fields[5].strip()
+                    if path.startswith("/") and os.path.basename(path).startswith("libzmq"):
+                        paths.add(path)
+    except OSError:
+        return None
+    return paths.pop() if len(paths) == 1 else None
 
 
 def read_requests(
