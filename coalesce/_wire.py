@@ -27,6 +27,7 @@ __all__ = [
     "Sockets",
     "loaded_libzmq",
     "message_sender",
+    "native_send",
     "open_sockets",
     "read_requests",
     "send_message",
@@ -184,6 +185,11 @@ def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
 _NATIVE: list[Any] = []  # [module or None], once looked up
 
 
+def native_send() -> bool:
+    """Whether :func:`message_sender` can use the C send in this process.  O(1)."""
+    return _native() is not None
+
+
 def _native() -> Any:
     """``coalesce._csend`` bound to the libzmq pyzmq loaded, or None.  O(1) after the
     first call (which reads /proc/self/maps)."""
@@ -193,7 +199,7 @@ def _native() -> Any:
 
 
 def _bind_native() -> Any:
-    if os.environ.get("COALESCE_NO_ACCEL") or os.environ.get("COALESCE_PYZMQ_SEND"):
+    if os.environ.get("COALESCE_NO_ACCEL") or os.environ.get("COALESCE_PYZMQ_SEND", "0") != "0":
         return None  # forced off (A/B measurements; COALESCE_NO_ACCEL: every accelerator)
     try:
         from coalesce import _csend

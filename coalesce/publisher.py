@@ -37,7 +37,7 @@ from coalesce._replay import ReplayBuffer
 from coalesce._sender import Sender
 from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
 from coalesce._snapshot import SnapshotService
-from coalesce._wire import Sockets, open_sockets
+from coalesce._wire import Sockets, native_send, open_sockets
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -81,6 +81,13 @@ def _log_start(
         "C (the optional accelerator)"
         if accelerated()
         else "Python: the C accelerator is not built (or COALESCE_NO_ACCEL is set)",
+    )
+    log.info(
+        "kv-coalesce: messages are sent %s",
+        "by the optional C send, keeping the GIL"
+        if native_send()
+        else "by pyzmq, which releases the GIL at every frame: coalesce._csend is not "
+        "built, pyzmq's libzmq was not found, or COALESCE_PYZMQ_SEND/COALESCE_NO_ACCEL is set",
     )
     if not bind and endpoint.startswith("tcp://"):
         port = endpoint.rpartition(":")[2]
@@ -356,6 +363,7 @@ class CoalescingPublisher:
             backlog_peak=b.peak,
             sender_alive=s.alive,
             compactor_accelerated=accelerated(),
+            native_send=native_send(),
             **s.published(),
         )
 

@@ -80,6 +80,10 @@ class PublisherStats:
         "1 when the compaction rules run in C (the optional accelerator was built); "
         "0 when they run in Python (same results, slower)."
     )
+    native_send: bool = _gauge(
+        "1 when messages go out through the optional C send that keeps the GIL; 0 when "
+        "through pyzmq's sends, which hand the GIL to the engine at every frame."
+    )
     replay_requests: int = _counter("Well-formed replay requests accepted.")
     replay_invalid: int = _counter("Replay requests ignored (wrong frame count or seq length).")
     replay_refused: int = _counter(

@@ -116,8 +116,24 @@ def test_sockets_other_than_pub_and_a_forced_fallback_use_pyzmq(monkeypatch) -> 
 
 
 def test_forcing_pyzmq_by_environment(monkeypatch) -> None:
+    monkeypatch.delenv("COALESCE_NO_ACCEL", raising=False)
     monkeypatch.setenv("COALESCE_PYZMQ_SEND", "1")
     assert _wire._bind_native() is None
+    monkeypatch.setenv("COALESCE_PYZMQ_SEND", "0")  # 0: not forced
+    assert (_wire._bind_native() is None) == (_wire._native() is None)
+    monkeypatch.delenv("COALESCE_PYZMQ_SEND")
+    monkeypatch.setenv("COALESCE_NO_ACCEL", "1")
+    assert _wire._bind_native() is None
+
+
+def test_stats_say_which_send_is_used() -> None:
+    from coalesce import CoalescingPublisher
+
+    pub = CoalescingPublisher(0, endpoint=inproc("which-send"))
+    try:
+        assert pub.stats().native_send == _wire.native_send() == (_wire._native() is not None)
+    finally:
+        pub.shutdown()
 
 
 @needs_native
