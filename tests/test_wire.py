@@ -107,6 +107,17 @@ def test_sockets_other_than_pub_and_a_forced_fallback_use_pyzmq(monkeypatch) -> 
         assert _wire.message_sender(router).__name__ == "send_pyzmq"
     finally:
         router.close(linger=0)
+    class Wrapper:  # a test's stand-in around a real socket: its send() must be called
+        def __init__(self) -> None:
+            self.frames: list[bytes] = []
+            self.underlying, self.type = 0, zmq.PUB
+
+        def send(self, data: bytes, flags: int = 0) -> None:
+            self.frames.append(data)
+
+    w = Wrapper()
+    _wire.message_sender(w)(b"t", 3, b"p")  # type: ignore[arg-type]
+    assert w.frames == [b"t", (3).to_bytes(8, "big"), b"p"]
     monkeypatch.setattr(_wire, "_NATIVE", [None])
     pub = ctx.socket(zmq.PUB)
     try:
