@@ -53,6 +53,7 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_overload.py
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_drain.py
+	$(BIN)/python benchmarks/bench_gil.py
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_compact.py
 	$(BIN)/python benchmarks/bench_recorder.py
