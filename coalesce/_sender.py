@@ -332,6 +332,7 @@ class Sender:
         self._pending: _Pending | None = None
         self._last_yield = 0.0
         self._pressure_from = PRESSURE_FROM * backlog.max_events
+        self._pending_at_yield = 0  # what was pending when the GIL was last handed over
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
@@ -785,16 +786,22 @@ class Sender:
 
     def _maybe_yield(self) -> None:
         """Hand the GIL to the engine if the sender has held it for its slice
-        (``yield_slice``: ``YIELD_EVERY``, longer near the event budget)."""
+        (``yield_slice``: ``YIELD_EVERY``, longer near the event budget while
+        more is pending than at the last hand-over: losing ground).  O(1)."""
         held = time.perf_counter() - self._last_yield
         if held < YIELD_EVERY:
             return
         backlog = self._backlog
         pending = max(backlog.pending_events, backlog.waiting)  # both count to the budget
-        if pending > self._pressure_from and held < yield_slice(pending, backlog.max_events):
+        if (
+            pending > self._pressure_from
+            and pending > self._pending_at_yield  # losing ground since the last yield
+            and held < yield_slice(pending, backlog.max_events)
+        ):
             return
         time.sleep(0)
         self._last_yield = time.perf_counter()
+        self._pending_at_yield = max(backlog.pending_events, backlog.waiting)
 
     # -- encode and send ---------------------------------------------------------
 
