@@ -291,8 +291,10 @@ class Sender:
         publisher_id: bytes | None = None,
         link: CoalescerProcess | None = None,
     ) -> None:
-        self._pub = pub
-        self._send_message: SendMessage | None = None if pub is None else message_sender(pub)
+        self._pub: zmq.Socket[bytes] | None = None
+        self._send_message: SendMessage | None = None
+        if pub is not None:
+            self._use_pub(pub)
         self._link = link
         """The coalescer process that sends for this one (``coalescer="process"``), until
         it fails: then this thread binds the endpoints and sends itself."""
@@ -331,7 +333,6 @@ class Sender:
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
         self._last_yield = 0.0
-        self._pressure_from = PRESSURE_FROM * backlog.max_events
         self._pending_at_yield = 0  # what was pending when the GIL was last handed over
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
@@ -791,17 +792,24 @@ class Sender:
         held = time.perf_counter() - self._last_yield
         if held < YIELD_EVERY:
             return
-        backlog = self._backlog
-        pending = max(backlog.pending_events, backlog.waiting)  # both count to the budget
-        if (
-            pending > self._pressure_from
-            and pending > self._pending_at_yield  # losing ground since the last yield
-            and held < yield_slice(pending, backlog.max_events)
+        pending = self._pending_for_budget()
+        if pending > self._pending_at_yield and held < yield_slice(  # losing ground
+            pending, self._backlog.max_events
         ):
             return
         time.sleep(0)
         self._last_yield = time.perf_counter()
-        self._pending_at_yield = max(backlog.pending_events, backlog.waiting)
+        self._pending_at_yield = self._pending_for_budget()  # with what came in meanwhile
+
+    def _pending_for_budget(self) -> int:
+        """Events or batches pending, whichever is more: both count to the event budget."""
+        backlog = self._backlog
+        return max(backlog.pending_events, backlog.waiting)
+
+    def _use_pub(self, pub: zmq.Socket[bytes]) -> None:
+        """Send on ``pub`` from now on (the native send where it can: _wire)."""
+        self._pub = pub
+        self._send_message = message_sender(pub)
 
     # -- encode and send ---------------------------------------------------------
 
@@ -944,8 +952,8 @@ class Sender:
             hwm=link.hwm,
             replay_window=self._settings.replay_window,
         )
-        self._pub, self._router = socks.pub, socks.router
-        self._send_message = message_sender(socks.pub)
+        self._use_pub(socks.pub)
+        self._router = socks.router
         if socks.snapshot is not None:  # a new recorder, unavailable until a clear
             assert self._publisher_id is not None
             self.snapshot = SnapshotService.from_settings(

@@ -21,7 +21,6 @@ from vllm.distributed import kv_events as vk
 
 import coalesce.vllm_plugin as plugin
 from coalesce import CoalescingPublisher, PublishOutcome
-from coalesce._wire import message_sender
 from coalesce.refmodel import MODES, SubscriberModel
 from tests.conftest import decode, free_port, held, inproc, wait_for
 
@@ -404,8 +403,7 @@ def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
     ours = CoalescingPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
     made.append(ours)
     stall_c = _StalledSocket(ours._sender._pub)
-    ours._sender._pub = stall_c
-    ours._sender._send_message = message_sender(stall_c)  # sends through the wrapper
+    ours._sender._use_pub(stall_c)
     t = _publish_in_thread(ours, [vbatch(vstore(i)) for i in range(10)])
     t.join(10)
     assert not t.is_alive(), "publish() must never block"
