@@ -32,11 +32,11 @@ which it is exact again.
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
 from typing import Any, ClassVar, TypeAlias
 
+from coalesce._env import NO_ACCEL, switched_on
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 
 __all__ = ["AnyRecorder", "Recorder", "new_recorder"]
@@ -45,7 +45,7 @@ _accel: ModuleType | None
 """The optional C state (coalesce/_crecord.c), or None: not built, or disabled
 by setting ``COALESCE_NO_ACCEL=1``."""
 try:
-    if os.environ.get("COALESCE_NO_ACCEL"):
+    if switched_on(NO_ACCEL):
         raise ImportError("disabled by COALESCE_NO_ACCEL")
     from coalesce import _crecord
 

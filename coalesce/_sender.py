@@ -85,36 +85,31 @@ Yielding after every step makes each step a GIL handoff (two context switches);
 never yielding lets the engine wait for CPython's 5 ms switch interval."""
 
 PRESSURE_FROM = 0.25
-"""Share of the event budget (``max_pending_events``) pending above which the
-sender holds the GIL longer than ``YIELD_EVERY`` before handing it back."""
-
-PRESSURE_FULL = 0.75
-"""Share of the event budget pending from which the sender works ``PRESSURE_SLICE``
-before handing the GIL back."""
+"""Share of the event budget (``max_pending_events``) pending above which a sender
+losing ground holds the GIL for ``PRESSURE_SLICE`` before handing it back."""
 
 PRESSURE_SLICE = 0.005
-"""Seconds of continuous sender work at a full event budget: CPython's default
-switch interval, the longest an engine thread waits for the GIL from any other
-Python thread."""
+"""Seconds of continuous sender work under pressure: CPython's default switch
+interval, the longest an engine thread waits for the GIL from any other Python
+thread."""
 
 
-def yield_slice(pending_events: int, budget: int) -> float:
+def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
     """Seconds of continuous work after which the sender yields the GIL, O(1).
 
-    ``YIELD_EVERY`` while at most ``PRESSURE_FROM`` of the event budget is
-    pending (events, or batches if more: both count to it); above it,
-    growing linearly to ``PRESSURE_SLICE`` at ``PRESSURE_FULL`` of it.  Near the
-    budget the next batches would be refused, each a gap (and a resync) for
-    every subscriber: the sender then takes a larger share of the GIL from
-    the engine, a bounded wait at its GIL hand-offs (never in ``publish()``'s
-    own work) instead of a loss.  The engine is slowed only while the backlog
-    is that deep, never blocked.
+    ``YIELD_EVERY``, or ``PRESSURE_SLICE`` while the sender is losing ground
+    (more was pending when its slice began than when the one before it did)
+    with more than ``PRESSURE_FROM`` of the event budget pending (events, or
+    batches if more: both count to it).  A sender losing ground there will
+    reach the budget, and then the next batches would be refused, each a gap
+    (and a resync) for every subscriber: it takes the largest share of the GIL
+    a Python thread can hold next to a waiting engine, a bounded wait at the
+    engine's GIL hand-offs (never in ``publish()``'s own work) instead of a
+    loss.  A backlog that is deep but shrinking keeps the short slice.
     """
-    floor = PRESSURE_FROM * budget
-    if pending_events <= floor:
-        return YIELD_EVERY
-    share = min(1.0, (pending_events - floor) / ((PRESSURE_FULL - PRESSURE_FROM) * budget))
-    return (1.0 - share) * YIELD_EVERY + share * PRESSURE_SLICE
+    if losing and pending_events > PRESSURE_FROM * budget:
+        return PRESSURE_SLICE
+    return YIELD_EVERY
 
 
 class Level(enum.IntEnum):
@@ -333,7 +328,8 @@ class Sender:
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
         self._last_yield = 0.0
-        self._pending_at_yield = 0  # what was pending when the GIL was last handed over
+        self._pending_at_yield = 0  # what was pending when the current slice began
+        self._losing = False  # more then than when the slice before it began
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
@@ -788,18 +784,19 @@ class Sender:
     def _maybe_yield(self) -> None:
         """Hand the GIL to the engine if the sender has held it for its slice
         (``yield_slice``: ``YIELD_EVERY``, longer near the event budget while
-        more is pending than at the last hand-over: losing ground).  O(1)."""
+        losing ground).  O(1)."""
         held = time.perf_counter() - self._last_yield
         if held < YIELD_EVERY:
             return
-        pending = self._pending_for_budget()
-        if pending > self._pending_at_yield and held < yield_slice(  # losing ground
-            pending, self._backlog.max_events
-        ):
+        if held < yield_slice(self._pending_for_budget(), self._backlog.max_events, self._losing):
             return
         time.sleep(0)
         self._last_yield = time.perf_counter()
-        self._pending_at_yield = self._pending_for_budget()  # with what came in meanwhile
+        # What the engine published while it had the GIL is in: did the last
+        # round (this slice, then the engine's turn) leave more pending?
+        pending = self._pending_for_budget()
+        self._losing = pending > self._pending_at_yield
+        self._pending_at_yield = pending
 
     def _pending_for_budget(self) -> int:
         """Events or batches pending, whichever is more: both count to the event budget."""

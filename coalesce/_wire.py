@@ -18,6 +18,7 @@ from typing import Any, cast
 import msgspec
 import zmq
 
+from coalesce._env import NO_ACCEL, PYZMQ_SEND, switched_on
 from coalesce._settings import is_bind_endpoint
 
 __all__ = [
@@ -199,7 +200,7 @@ def _native() -> Any:
 
 
 def _bind_native() -> Any:
-    if os.environ.get("COALESCE_NO_ACCEL") or os.environ.get("COALESCE_PYZMQ_SEND", "0") != "0":
+    if switched_on(NO_ACCEL) or switched_on(PYZMQ_SEND):
         return None  # forced off (A/B measurements; COALESCE_NO_ACCEL: every accelerator)
     try:
         from coalesce import _csend

@@ -50,7 +50,6 @@ byte, msgspec's encoding of what :func:`compact` returns for the same window.
 from __future__ import annotations
 
 import operator
-import os
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
@@ -59,6 +58,7 @@ from typing import Any
 
 import msgspec
 
+from coalesce._env import NO_ACCEL, switched_on
 from coalesce._kinds import (
     CLEARED,
     OPAQUE,
@@ -75,7 +75,7 @@ _accel: ModuleType | None
 """The optional C accelerator (coalesce/_ccompact.c), or None: not built, or
 disabled by setting ``COALESCE_NO_ACCEL=1``.  Either way the results are the same."""
 try:
-    if os.environ.get("COALESCE_NO_ACCEL"):
+    if switched_on(NO_ACCEL):
         raise ImportError("disabled by COALESCE_NO_ACCEL")
     from coalesce import _ccompact
 

@@ -354,25 +354,50 @@ def test_event_budget_counts_events(pubs):
     assert (a, b) == (PublishOutcome.QUEUED, PublishOutcome.DROPPED)
 
 
-def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget():
-    from coalesce._sender import (
-        PRESSURE_FROM,
-        PRESSURE_FULL,
-        PRESSURE_SLICE,
-        YIELD_EVERY,
-        yield_slice,
-    )
+def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losing_ground():
+    from coalesce._sender import PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY, yield_slice
 
     budget = 1000
-    floor, full = int(PRESSURE_FROM * budget), int(PRESSURE_FULL * budget)
-    assert 0 < floor < full <= budget
-    assert yield_slice(0, budget) == yield_slice(floor, budget) == YIELD_EVERY
-    slices = [yield_slice(n, budget) for n in range(floor, budget + 1)]
-    assert all(a <= b for a, b in itertools.pairwise(slices))  # more pending: never shorter
-    assert YIELD_EVERY < yield_slice(floor + 1, budget) < PRESSURE_SLICE
-    assert yield_slice(full - 1, budget) < PRESSURE_SLICE
-    assert yield_slice(full, budget) == yield_slice(3 * budget, budget) == PRESSURE_SLICE
+    floor = int(PRESSURE_FROM * budget)
+    assert 0 < floor < budget
+    for losing in (False, True):
+        assert yield_slice(0, budget, losing) == yield_slice(floor, budget, losing) == YIELD_EVERY
+    assert yield_slice(floor + 1, budget, False) == yield_slice(3 * budget, budget, False)
+    assert yield_slice(3 * budget, budget, False) == YIELD_EVERY  # deep but shrinking
+    assert yield_slice(floor + 1, budget, True) == yield_slice(3 * budget, budget, True)
+    assert yield_slice(floor + 1, budget, True) == PRESSURE_SLICE > YIELD_EVERY
     assert PRESSURE_SLICE <= 0.005  # never longer than CPython's default switch interval
+
+
+def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground(pubs):
+    """The losing-ground decision itself, on a parked sender (its thread does not
+    run while the test calls its hand-over step)."""
+    from coalesce._sender import PRESSURE_SLICE, YIELD_EVERY
+
+    pub = pubs(endpoint=inproc("pub"), max_pending_events=100)
+    sender = pub._sender
+    held_for = (YIELD_EVERY + PRESSURE_SLICE) / 2  # past the short slice, within the long
+    with held(pub):
+        for _ in range(5):
+            assert pub.publish(batch(*map(store, range(10)))) is PublishOutcome.QUEUED
+        # 50 events pending, over a quarter of the budget
+
+        def yielded(after: float) -> bool:
+            sender._last_yield = time.perf_counter() - after
+            before = sender._last_yield
+            sender._maybe_yield()
+            return sender._last_yield != before
+
+        assert yielded(10.0)  # a hand-over: 50 pending now, 0 at the one before
+        assert sender._losing
+        assert not yielded(held_for)  # losing ground: the long slice
+        assert yielded(10.0)  # past the long slice too; still 50: not losing now
+        assert not sender._losing
+        assert yielded(held_for)  # the short slice again
+        assert pub.publish(batch(*map(store, range(10, 20)))) is PublishOutcome.QUEUED
+        assert yielded(held_for)
+        assert sender._losing  # 60 after 50
+        assert not yielded(held_for)
 
 
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from coalesce import _wire
+from coalesce._env import NO_ACCEL, PYZMQ_SEND, switched_on
 from tests.conftest import inproc, no_forced_switch, wait_for
 
 try:
@@ -56,7 +57,7 @@ def pub_sub() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
 
 
 def test_ci_machines_bind_the_native_send() -> None:
-    forced_off = os.environ.get("COALESCE_NO_ACCEL") or os.environ.get("COALESCE_PYZMQ_SEND")
+    forced_off = switched_on(NO_ACCEL) or switched_on(PYZMQ_SEND)
     if os.environ.get("COALESCE_REQUIRE_ACCEL") and not forced_off:
         assert _csend is not None, "coalesce/_csend.c was not built"
         assert _wire.loaded_libzmq() is not None, "pyzmq's libzmq not found in /proc/self/maps"
@@ -107,6 +108,7 @@ def test_sockets_other_than_pub_and_a_forced_fallback_use_pyzmq(monkeypatch) -> 
         assert _wire.message_sender(router).__name__ == "send_pyzmq"
     finally:
         router.close(linger=0)
+
     class Wrapper:  # a test's stand-in around a real socket: its send() must be called
         def __init__(self) -> None:
             self.frames: list[bytes] = []
@@ -135,6 +137,17 @@ def test_forcing_pyzmq_by_environment(monkeypatch) -> None:
     monkeypatch.delenv("COALESCE_PYZMQ_SEND")
     monkeypatch.setenv("COALESCE_NO_ACCEL", "1")
     assert _wire._bind_native() is None
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)]
+)
+def test_a_switch_is_on_when_set_to_anything_but_empty_or_zero(monkeypatch, value, on) -> None:
+    if value is None:
+        monkeypatch.delenv(NO_ACCEL, raising=False)
+    else:
+        monkeypatch.setenv(NO_ACCEL, value)
+    assert switched_on(NO_ACCEL) is on
 
 
 def test_stats_say_which_send_is_used() -> None:
