@@ -9,9 +9,12 @@ go through four paths, timed in alternation and reported as medians:
   then encode, except a window of big batches (``FOLD_GAINS_BELOW`` events
   each on average), which it encodes batch by batch;
 - ``rules C``: ``compact()`` with the C accelerator, then encode;
+- ``rules C wire``: ``compact_for_wire()`` (the merged lists written as their
+  encoding, in C), then encode: what the sender runs when no snapshot
+  recorder reads the result;
 - ``rules py``: ``compact()`` with the pure-Python rules, then encode;
 - ``level``: what the sender's rules level does (object path): for each window,
-  the rules (C) or the fold, as its :class:`~coalesce._payoff.Payoff` chooses
+  the rules (C, ``compact_for_wire``) or the fold, as its :class:`~coalesce._payoff.Payoff` chooses
   from the windows timed before (now and then the other way); ``rules ran`` is
   the share of windows that ran the rules.  (The sender's fold way takes 4x
   larger windows; here every path gets the same windows);
@@ -110,6 +113,9 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         compactor._accel = accel
         return [enc.encode(b) for b in compactor.compact(w)[0]]
 
+    def rules_wire(w: Window) -> Any:
+        return [enc.encode(b) for b in compactor.compact_for_wire(w)[0]]
+
     def rules_py(w: Window) -> Any:
         compactor._accel = None
         try:
@@ -122,7 +128,7 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
     def level(w: Window) -> Any:  # as Sender._send_object_window at the rules level
         rules = payoff.rules_next()
         t0 = time.perf_counter()
-        out = rules_c(w) if rules else fold(w)
+        out = rules_wire(w) if rules else fold(w)
         payoff.record(rules, (time.perf_counter() - t0) / sum(len(b.events) for b in w))
         tally[0] += rules
         tally[1] += 1
@@ -145,13 +151,15 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         "raw": raw,
         "fold": fold,
         "rules C": rules_c,
+        "rules C wire": rules_wire,
         "level": level,
         "rules py": rules_py,
         "payload": payload,
         "fold+payload": fold_payload,
     }
     if accel is None:
-        del paths["rules C"], paths["level"], paths["payload"], paths["fold+payload"]
+        for name in ("rules C", "rules C wire", "level", "payload", "fold+payload"):
+            del paths[name]
     return paths
 
 
@@ -213,6 +221,7 @@ def volume(windows: list[Window]) -> tuple[float, float]:
         b_in += sum(len(enc.encode(b)) for b in w)
         sent = [enc.encode(b) for b in out]
         b_out += sum(map(len, sent))
+        assert [enc.encode(b) for b in compactor.compact_for_wire(w)[0]] == sent
         if compactor._accel is not None:  # the payload path sends the very same bytes
             folded = [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
             results = [compactor.compact_payload(p) for p in folded]
@@ -233,23 +242,25 @@ def main() -> None:
     )
     print(
         "| workload | batches/window | raw encode ns/event | fold+enc | rules C+enc "
+        "| rules C wire+enc "
         "| rules level | rules ran | rules py+enc | payload rules | fold+enc+payload "
         "| events out | bytes out |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
         per, ran = measure(windows, args.seconds, args.rounds)
         events, nbytes = volume(windows)
         raw = per["raw"]
         c = f"{per['rules C'] / raw:.2f}x" if "rules C" in per else "n/a"
+        cw = f"{per['rules C wire'] / raw:.2f}x" if "rules C wire" in per else "n/a"
         lv = f"{per['level'] / raw:.2f}x | {ran:.0%}" if "level" in per else "n/a | n/a"
         pl = f"{per['payload'] / raw:.2f}x" if "payload" in per else "n/a"
         fp = f"{per['fold+payload'] / raw:.2f}x" if "fold+payload" in per else "n/a"
         bpw = statistics.mean(len(w) for w in windows)
         print(
-            f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | {lv} | "
-            f"{per['rules py'] / raw:.1f}x | {pl} | {fp} | {events:.2f} | {nbytes:.2f} |",
+            f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | {cw} "
+            f"| {lv} | {per['rules py'] / raw:.1f}x | {pl} | {fp} | {events:.2f} | {nbytes:.2f} |",
             flush=True,
         )
 

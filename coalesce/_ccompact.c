@@ -280,6 +280,7 @@ typedef struct {
         Buf last_op, last_child, by_hash, by_key, removed;
         Buf g_key_any, g_key_store, g_hash_any, g_parent_of, g_chain_end, g_groups, g_next;
         Buf rsrc, hv, parents, aspans, out; /* the payload path only */
+        Buf wire; /* compact_window(wire=True): one per-block array's encoding */
     } bufs;
     Desc descs[MAX_DESCS];
     SegVec segs_a, segs_b;
@@ -1044,7 +1045,14 @@ static int set_field(PyObject *obj, Py_ssize_t off, PyObject *value) {
     return 0;
 }
 
-static PyObject *build_item(Window *w, const SegVec *segs, const Item *it) {
+static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_ssize_t off,
+                             int tokens);
+
+/* A result event: its source as given, or (changed) a __copy__ of its base with
+ * the per-block lists concatenated from its segments.  With `wire`, the block
+ * hashes and token ids are their msgpack encoding instead (msgspec.Raw), for a
+ * caller that only encodes the result. */
+static PyObject *build_item(Window *w, const SegVec *segs, const Item *it, int wire) {
     const Src *base = &w->src[it->base];
     if (!it->changed) {
         Py_INCREF(base->ev);
@@ -1058,11 +1066,12 @@ static PyObject *build_item(Window *w, const SegVec *segs, const Item *it) {
         return NULL;
     }
     const TypeInfo *ti = base->ti;
-    if (set_field(obj, ti->off_hashes, concat_field(w, segs, it, ti->off_hashes, 0)) < 0)
-        goto fail;
+    PyObject *(*concat)(Window *, const SegVec *, const Item *, Py_ssize_t, int) =
+        wire ? concat_wire : concat_field;
+    if (set_field(obj, ti->off_hashes, concat(w, segs, it, ti->off_hashes, 0)) < 0) goto fail;
     if (it->kind == K_STORED) {
         if (base->tok_nonempty &&
-            set_field(obj, ti->off_tokens, concat_field(w, segs, it, ti->off_tokens, 1)) < 0)
+            set_field(obj, ti->off_tokens, concat(w, segs, it, ti->off_tokens, 1)) < 0)
             goto fail;
         if (!base->extra_none &&
             set_field(obj, ti->off_extra, concat_field(w, segs, it, ti->off_extra, 0)) < 0)
@@ -1598,6 +1607,142 @@ static int wr_array_header(Wr *o, uint64_t n) {
     return wr(o, h, k);
 }
 
+/* ---- compact_window(wire=True): per-block arrays written as msgspec would ---- */
+
+static PyObject *s_raw_type = NULL; /* msgspec.Raw, imported on first use */
+
+/* Elements below which a list is built all the same: a bytes object and a Raw
+ * cost more than a short list and its encoding. */
+#define WIRE_MIN 32
+
+/* An int as msgspec encodes it (the shortest uint form; for a negative one the
+ * shortest int form) at p, which has room for 9 bytes: the end, or NULL for an
+ * int msgspec refuses (past 64 bits) or that is not an exact int. */
+static inline unsigned char *put_int(unsigned char *p, PyObject *x) {
+    uint64_t u;
+    if (long_u64(x, &u)) {
+        if (u < 128) {
+            *p++ = (unsigned char)u;
+        } else if (u < 256) {
+            *p++ = 0xcc;
+            *p++ = (unsigned char)u;
+        } else if (u < 65536) {
+            *p++ = 0xcd;
+            *p++ = (unsigned char)(u >> 8);
+            *p++ = (unsigned char)u;
+        } else if (u < ((uint64_t)1 << 32)) {
+            *p++ = 0xce;
+            for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(u >> i);
+        } else {
+            *p++ = 0xcf;
+            for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(u >> i);
+        }
+        return p;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (overflow || v >= 0) return NULL;
+    uint64_t b = (uint64_t)v;
+    if (v >= -32) {
+        *p++ = (unsigned char)(0xe0 | (b & 0x1f));
+    } else if (v >= -128) {
+        *p++ = 0xd0;
+        *p++ = (unsigned char)b;
+    } else if (v >= -32768) {
+        *p++ = 0xd1;
+        *p++ = (unsigned char)(b >> 8);
+        *p++ = (unsigned char)b;
+    } else if (v >= -((long long)1 << 31)) {
+        *p++ = 0xd2;
+        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
+    } else {
+        *p++ = 0xd3;
+        for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
+    }
+    return p;
+}
+
+/* concat_field's list, written as its msgpack encoding and wrapped in a
+ * msgspec.Raw (which msgspec writes as it is): no list is built, and no
+ * element referenced.  Elements are exact ints (as msgspec writes them) or
+ * exact bytes (bin); for any other element, concat_field's list instead.
+ * NULL on error. */
+static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_ssize_t off,
+                             int tokens) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t q = 0; q < it->nseg; q++) {
+        Seg g = segs->v[it->seg0 + q];
+        Py_ssize_t k = tokens ? w->src[g.src].bs : 1;
+        if (tokens && !w->src[g.src].tok_nonempty) k = 0;
+        total += (g.end - g.start) * k;
+    }
+    if (total < WIRE_MIN || (uint64_t)total >= ((uint64_t)1 << 32))
+        return concat_field(w, segs, it, off, tokens);
+    Buf *buf = &w->st->bufs.wire;
+    /* room for the header and every element as the longest int; bins make more */
+    unsigned char *d = (unsigned char *)buf_get(buf, 5 + (size_t)total * 9);
+    if (d == NULL) return PyErr_NoMemory();
+    unsigned char *p = d;
+    if (total < 16) {
+        *p++ = (unsigned char)(0x90 | total);
+    } else if (total < 65536) {
+        *p++ = 0xdc;
+        *p++ = (unsigned char)(total >> 8);
+        *p++ = (unsigned char)total;
+    } else {
+        *p++ = 0xdd;
+        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)((uint64_t)total >> i);
+    }
+    Py_ssize_t left = total;
+    for (Py_ssize_t q = 0; q < it->nseg; q++) {
+        Seg g = segs->v[it->seg0 + q];
+        const Src *s = &w->src[g.src];
+        Py_ssize_t k = tokens ? s->bs : 1;
+        if (tokens && !s->tok_nonempty) continue;
+        PyObject *lst = FIELD(s->ev, off);
+        if (lst == NULL || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < g.end * k)
+            return concat_field(w, segs, it, off, tokens); /* (which raises) */
+        PyObject **items = ((PyListObject *)lst)->ob_item;
+        for (Py_ssize_t j = g.start * k; j < g.end * k; j++) {
+            PyObject *x = items[j];
+            left--;
+            if (PyLong_CheckExact(x)) {
+                p = put_int(p, x);
+                if (p == NULL) return concat_field(w, segs, it, off, tokens);
+                continue;
+            }
+            if (!PyBytes_CheckExact(x) || PyBytes_GET_SIZE(x) >= ((Py_ssize_t)1 << 31))
+                return concat_field(w, segs, it, off, tokens);
+            size_t n = (size_t)PyBytes_GET_SIZE(x), at = (size_t)(p - d);
+            d = (unsigned char *)buf_get(buf, at + 5 + n + (size_t)left * 9);
+            if (d == NULL) return PyErr_NoMemory();
+            p = d + at;
+            if (n < 256) {
+                *p++ = 0xc4;
+                *p++ = (unsigned char)n;
+            } else if (n < 65536) {
+                *p++ = 0xc5;
+                *p++ = (unsigned char)(n >> 8);
+                *p++ = (unsigned char)n;
+            } else {
+                *p++ = 0xc6;
+                for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(n >> i);
+            }
+            memcpy(p, PyBytes_AS_STRING(x), n);
+            p += n;
+        }
+    }
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(p - d));
+    if (bytes == NULL) return NULL;
+    PyObject *raw = PyObject_CallOneArg(s_raw_type, bytes);
+    Py_DECREF(bytes);
+    return raw;
+}
+
 /* Items per block in a per-block field of src s: 1, or block_size for tokens. */
 static inline Py_ssize_t per_block_k(const Src *s, int slot) {
     if (slot != P_TOKENS) return 1;
@@ -1866,7 +2011,7 @@ PyDoc_STRVAR(compact_doc,
  * merged) added.  1 on success; 0 to decline (*unknown is set when a class not
  * registered yet is why); -1 on error (an exception is set). */
 static int compact_group(PyObject *events, PyObject **out_list, long counts[3],
-                         PyTypeObject **unknown) {
+                         PyTypeObject **unknown, int wire) {
     State *st = &g_obj;
     if (st->busy) return 0;
     st->busy = 1;
@@ -1907,7 +2052,7 @@ static int compact_group(PyObject *events, PyObject **out_list, long counts[3],
         PyList_SET_ITEM(out, 0, clear);
     }
     for (Py_ssize_t i = 0; i < na; i++) {
-        PyObject *ev = build_item(&w, rs, &a[i]);
+        PyObject *ev = build_item(&w, rs, &a[i], wire);
         if (ev == NULL) {
             Py_DECREF(out);
             goto done;
@@ -1932,7 +2077,7 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
     PyObject *out = NULL;
     PyTypeObject *unknown = NULL;
     long counts[3] = {0, 0, 0};
-    int r = compact_group(events, &out, counts, &unknown);
+    int r = compact_group(events, &out, counts, &unknown, 0);
     if (r < 0) return NULL;
     if (r == 0) {
         if (unknown != NULL) {
@@ -2113,20 +2258,29 @@ static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, cons
 }
 
 PyDoc_STRVAR(compact_window_doc,
-             "compact_window(batches, fold_only) -> (batches, events_in, events_out, folded,\n"
-             "    superseded, cancelled, merged) | (code, cls) | None\n\n"
+             "compact_window(batches, fold_only, wire=False) -> (batches, events_in, events_out,\n"
+             "    folded, superseded, cancelled, merged) | (code, cls) | None\n\n"
              "coalesce.compactor.compact(batches, fold_only=fold_only) without moves, in\n"
              "one call: adjacent batches of one class and rank folded, then (unless\n"
              "fold_only) rules 2 to 6 on each group, the result the same objects where\n"
              "nothing changed.  Returns (0, cls) or (1, cls) for an event or batch class\n"
              "not registered yet (register it and call again), None for a window it\n"
              "declines: any batch or event of a class declined, events not a list, a\n"
-             "rank other than None or an int.  O(batches + events + block hashes).");
+             "rank other than None or an int.  With wire, a changed event's block hashes\n"
+             "and token ids are msgspec.Raw, their encoding: batches only to encode.\n"
+             "O(batches + events + block hashes).");
 
 static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
     PyObject *given;
-    int fold_only;
-    if (!PyArg_ParseTuple(args, "O!p", &PyList_Type, &given, &fold_only)) return NULL;
+    int fold_only, wire = 0;
+    if (!PyArg_ParseTuple(args, "O!p|p", &PyList_Type, &given, &fold_only, &wire)) return NULL;
+    if (wire && s_raw_type == NULL) {
+        PyObject *msgspec = PyImport_ImportModule("msgspec");
+        if (msgspec == NULL) return NULL;
+        s_raw_type = PyObject_GetAttrString(msgspec, "Raw"); /* kept for the process's life */
+        Py_DECREF(msgspec);
+        if (s_raw_type == NULL) return NULL;
+    }
     PyObject *batches = PyList_AsTuple(given); /* held: the caller's list may change */
     if (batches == NULL) return NULL;
     PyObject *out = PyList_New(0), *result = NULL;
@@ -2169,7 +2323,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         }
         PyObject *new = evs;
         if (!fold_only) {
-            int r = compact_group(evs, &new, counts, &ask.type);
+            int r = compact_group(evs, &new, counts, &ask.type, wire);
             if (r <= 0) {
                 Py_DECREF(ts);
                 Py_DECREF(evs);

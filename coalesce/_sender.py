@@ -38,6 +38,7 @@ from coalesce.compactor import (
     PAYLOAD_RELEASE_AT,
     accelerated,
     compact,
+    compact_for_wire,
     compact_payload,
     compactable,
     rule_stats,
@@ -686,9 +687,7 @@ class Sender:
             out, rep = window, None
         else:
             try:
-                out, rep = compact(
-                    window, move_events=self._settings.move_events, fold_only=not rules
-                )
+                out, rep = self._compact(window, fold_only=not rules)
             except Exception as exc:  # a value the rules cannot handle: send the window as given
                 self._compaction_failed(exc)
                 self._send_each(window)
@@ -705,6 +704,14 @@ class Sender:
         if rep is not None:
             self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
         return out
+
+    def _compact(self, window: list[Any], fold_only: bool) -> tuple[list[Any], Any]:
+        """The rules (or the fold) on the event objects: :func:`compact_for_wire`
+        (merged lists written as their encoding) unless a recorder reads the result
+        or ``BlockMoved`` events are wanted.  O(events + block hashes)."""
+        if self._record is None and not self._settings.move_events:
+            return compact_for_wire(window, fold_only=fold_only)
+        return compact(window, move_events=self._settings.move_events, fold_only=fold_only)
 
     def _send_big(self, batch: Any, step: int) -> list[Any]:
         """One batch larger than a window, at the rules level: the rules on each
@@ -731,7 +738,7 @@ class Sender:
             t0 = time.perf_counter()
             part = msgspec.structs.replace(batch, events=events[i : i + step])
             try:
-                out, rep = compact([part], move_events=self._settings.move_events)
+                out, rep = self._compact([part], fold_only=False)
             except Exception as exc:  # a value the rules cannot handle: this part as given
                 self._compaction_failed(exc)
                 out, rep = [part], None

@@ -87,6 +87,7 @@ __all__ = [
     "CompactionReport",
     "accelerated",
     "compact",
+    "compact_for_wire",
     "compact_payload",
     "compactable",
     "rule_stats",
@@ -718,7 +719,9 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
         _register(result)
 
 
-def _accelerated_window(batches: list[Any], fold_only: bool) -> tuple[Any, ...] | None:
+def _accelerated_window(
+    batches: list[Any], fold_only: bool, wire: bool = False
+) -> tuple[Any, ...] | None:
     """The C driver's result for a whole window (fold, then each group's rules),
     or None for a window it declines.  O(batches + events + hashes).
 
@@ -728,7 +731,7 @@ def _accelerated_window(batches: list[Any], fold_only: bool) -> tuple[Any, ...] 
     assert _accel is not None
     tried: set[type] = set()
     while True:
-        result = _accel.compact_window(batches, fold_only)
+        result = _accel.compact_window(batches, fold_only, wire)
         if result is None or len(result) != 2:
             return result  # type: ignore[no-any-return]
         code, cls = result
@@ -810,8 +813,33 @@ def compact(
     declines); with ``fold_only`` it is one list concatenation per group.
     docs/benchmarks.md has both measured against encoding.
     """
+    return _compact(batches, move_events, fold_only, wire=False)
+
+
+def compact_for_wire(
+    batches: Sequence[Any], *, fold_only: bool = False
+) -> tuple[list[Any], CompactionReport]:
+    """:func:`compact` without moves, for a caller that only encodes the result.
+
+    The batches encode (msgspec) byte for byte as :func:`compact`'s would, but
+    a changed event's ``block_hashes`` and ``token_ids`` may be a
+    ``msgspec.Raw`` holding that list's encoding, written by the C accelerator
+    straight from the input events: no list is built, referenced, encoded and
+    freed again.  So the result is for encoding only, never for reading (the
+    snapshot recorder reads :func:`compact`'s).  Without the accelerator, or
+    for a window it declines, the result is :func:`compact`'s.
+
+    Cost: as :func:`compact`; the concatenated lists' elements are written as
+    bytes, once.
+    """
+    return _compact(batches, False, fold_only, wire=True)
+
+
+def _compact(
+    batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool
+) -> tuple[list[Any], CompactionReport]:
     if _accel is not None and not move_events and type(batches) is list:
-        result = _accelerated_window(batches, fold_only)
+        result = _accelerated_window(batches, fold_only, wire)
         if result is not None:
             out, events_in, events_out, folded, superseded, cancelled, merged = result
             return out, CompactionReport(

@@ -12,6 +12,7 @@ only from values it accepts must really be taken by it.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import sys
 from collections import Counter
@@ -459,3 +460,130 @@ def test_more_classes_than_the_accelerator_holds_still_compact() -> None:
         want = compactor._compact_events_py(list(events), False, Counter())
         assert compactor._compact_events(list(events), False, Counter()) == want
         assert len(want) == 1  # the two removals merged
+
+
+# -- compact_for_wire: merged lists written as their encoding ------------------------
+
+TOKEN_VALUES = st.one_of(
+    st.integers(0, 300),
+    st.sampled_from([-1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1]),
+    st.sampled_from([-(2**63), 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**63, BIG]),
+)
+WIRE_HASHES = st.one_of(
+    st.integers(0, BIG),
+    st.binary(min_size=0, max_size=40),
+    st.sampled_from([b"\x07" * 255, b"\x08" * 256, b"\x09" * 70_000]),
+)
+
+
+@st.composite
+def chains(draw: Any) -> list[Any]:
+    """Windows of stores chained parent to child (long merged lists, of every msgpack
+    int and bin width), some removed again, in one or more batches."""
+    events: list[Any] = []
+    parent: Any = None
+    used: list[Any] = []
+    for _ in range(draw(st.integers(1, 12))):
+        hs = draw(st.lists(WIRE_HASHES, min_size=1, max_size=40, unique=True))
+        if any(h in used for h in hs):
+            continue
+        used += hs
+        tokens = draw(st.lists(TOKEN_VALUES, min_size=BLOCK * len(hs), max_size=BLOCK * len(hs)))
+        if draw(st.booleans()):
+            tokens = []
+        events.append(BlockStored(hs, parent, tokens, BLOCK, None, "GPU", None))
+        parent = hs[-1]
+        if draw(st.integers(0, 4)) == 0:
+            events.append(BlockRemoved([draw(st.sampled_from(used))], "GPU"))
+    cuts = sorted(draw(st.lists(st.integers(0, len(events)), max_size=3)))
+    bounds = [0, *cuts, len(events)]
+    return [
+        KVEventBatch(ts=float(i), events=events[a:b])
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+def assert_wire_same(batches: list[Any], fold_only: bool = False) -> int:
+    """compact_for_wire encodes as compact does; returns how many Raw lists it made."""
+    enc = msgspec.msgpack.Encoder()
+    before = copy.deepcopy(batches)
+    out, rep = compactor.compact(list(batches), fold_only=fold_only)
+    wire, rep_w = compactor.compact_for_wire(list(batches), fold_only=fold_only)
+    assert rep_w == rep
+    assert [type(b) for b in wire] == [type(b) for b in out]
+
+    def encoded(b: Any) -> bytes | type:
+        try:
+            return enc.encode(b)
+        except Exception as exc:  # a rank of 2**70, say: refused either way
+            return type(exc)
+
+    assert [encoded(b) for b in wire] == [encoded(b) for b in out]
+    assert batches == before, "the accelerator must never modify its input"
+    return sum(
+        isinstance(getattr(e, f, None), msgspec.Raw)
+        for b in wire
+        for e in b.events
+        for f in ("block_hashes", "token_ids")
+    )
+
+
+@given(chains(), st.booleans())
+def test_wire_windows_encode_as_compact_does(batches: list[Any], fold_only: bool) -> None:
+    assert_wire_same(batches, fold_only)
+
+
+@given(windows(accepted=False), st.booleans())
+def test_wire_windows_of_every_kind_encode_as_compact_does(
+    batches: list[Any], fold_only: bool
+) -> None:
+    assert_wire_same(batches, fold_only)
+
+
+def test_wire_writes_long_merged_lists_as_raw_and_short_ones_as_lists() -> None:
+    long_chain = [
+        BlockStored([2 * i, 2 * i + 1], 2 * i - 1 if i else None, [i] * 4, BLOCK, None, "GPU", None)
+        for i in range(40)
+    ]
+    assert assert_wire_same([KVEventBatch(ts=0.0, events=long_chain)]) == 2  # hashes and tokens
+    short = long_chain[:3]  # 6 hashes, 12 tokens: below the Raw threshold
+    assert assert_wire_same([KVEventBatch(ts=0.0, events=short)]) == 0
+    assert assert_wire_same([KVEventBatch(ts=0.0, events=offload_run(200))]) > 0
+
+
+def test_wire_leaves_what_msgspec_refuses_to_msgspec() -> None:
+    chain = [
+        BlockStored([i], i - 1 if i else None, [2**64, 1], BLOCK, None, "GPU", None)
+        for i in range(40)
+    ]
+    out, _ = compactor.compact([KVEventBatch(ts=0.0, events=chain)])
+    wire, _ = compactor.compact_for_wire([KVEventBatch(ts=0.0, events=chain)])
+    assert isinstance(wire[0].events[0].token_ids, list)  # built as a list: msgspec decides
+    enc = msgspec.msgpack.Encoder()
+    for b in (out[0], wire[0]):
+        with pytest.raises(OverflowError):
+            enc.encode(b)
+
+
+def test_wire_leaks_no_references() -> None:
+    # (ints past the small-int cache, whose counts other code moves)
+    chain = [
+        BlockStored(
+            [1000 + 2 * i, 1001 + 2 * i],
+            999 + 2 * i if i else None,
+            [5000 + i, -5000 - i, 2**40 + i, 2**63 + i],
+            BLOCK,
+            None,
+            "GPU",
+            None,
+        )
+        for i in range(40)
+    ]
+    batches = [KVEventBatch(ts=0.0, events=chain[:20]), KVEventBatch(ts=1.0, events=chain[20:])]
+    watched = [*chain, *(e.block_hashes for e in chain), *(e.token_ids for e in chain)]
+    watched += [x for e in chain for x in (*e.block_hashes, *e.token_ids)]
+    counts = [sys.getrefcount(o) for o in watched]
+    for _ in range(100):
+        wire, _ = compactor.compact_for_wire(list(batches))
+        del wire
+    assert [sys.getrefcount(o) for o in watched] == counts
