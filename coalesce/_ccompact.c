@@ -1002,10 +1002,9 @@ static int run_rules(Window *w, Py_ssize_t first, SegVec *sa, SegVec *sb, Item *
 
 /* ---- building the events -------------------------------------------------- */
 
-/* The concatenation of lst[start*k : end*k] over the item's segments, for the
- * list field at `off` of each segment's source. */
-static PyObject *concat_field(Window *w, const SegVec *segs, const Item *it, Py_ssize_t off,
-                              int tokens) {
+/* Elements in an item's per-block field: its segments' blocks, times block_size
+ * for token ids (0 for a source without them). */
+static Py_ssize_t concat_len(const Window *w, const SegVec *segs, const Item *it, int tokens) {
     Py_ssize_t total = 0;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
@@ -1013,6 +1012,14 @@ static PyObject *concat_field(Window *w, const SegVec *segs, const Item *it, Py_
         if (tokens && !w->src[g.src].tok_nonempty) k = 0;
         total += (g.end - g.start) * k;
     }
+    return total;
+}
+
+/* The concatenation of lst[start*k : end*k] over the item's segments, for the
+ * list field at `off` of each segment's source. */
+static PyObject *concat_field(Window *w, const SegVec *segs, const Item *it, Py_ssize_t off,
+                              int tokens) {
+    Py_ssize_t total = concat_len(w, segs, it, tokens);
     PyObject *out = PyList_New(total);
     if (out == NULL) return NULL;
     Py_ssize_t at = 0;
@@ -1673,13 +1680,7 @@ static inline unsigned char *put_int(unsigned char *p, PyObject *x) {
  * NULL on error. */
 static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_ssize_t off,
                              int tokens) {
-    Py_ssize_t total = 0;
-    for (Py_ssize_t q = 0; q < it->nseg; q++) {
-        Seg g = segs->v[it->seg0 + q];
-        Py_ssize_t k = tokens ? w->src[g.src].bs : 1;
-        if (tokens && !w->src[g.src].tok_nonempty) k = 0;
-        total += (g.end - g.start) * k;
-    }
+    Py_ssize_t total = concat_len(w, segs, it, tokens);
     if (total < WIRE_MIN || (uint64_t)total >= ((uint64_t)1 << 32))
         return concat_field(w, segs, it, off, tokens);
     Buf *buf = &w->st->bufs.wire;
