@@ -45,6 +45,9 @@ and rebuilt events, nothing proportional to anything but the window.
 and encoded, reading and writing bytes in C (the optional accelerator), so
 that the sender can compact without holding the GIL; its result is, byte for
 byte, msgspec's encoding of what :func:`compact` returns for the same window.
+:func:`compact_for_wire` is :func:`compact` for a caller that only encodes the
+result: with the accelerator, merged per-block lists come back as their
+encoding (``msgspec.Raw``), never built as lists.
 """
 
 from __future__ import annotations
