@@ -319,6 +319,12 @@ typedef struct {
 
 enum { P_HASHES, P_TOKENS, P_EXTRA, P_LOOK };
 
+/* Items per block in a per-block field of src s: 1, or block_size for tokens. */
+static inline Py_ssize_t per_block_k(const Src *s, int slot) {
+    if (slot != P_TOKENS) return 1;
+    return s->tok_nonempty ? s->bs : 0;
+}
+
 typedef struct {
     uint32_t off, len; /* one key and its value */
 } ASpan;
@@ -1008,11 +1014,18 @@ static Py_ssize_t concat_len(const Window *w, const SegVec *segs, const Item *it
     Py_ssize_t total = 0;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
-        Py_ssize_t k = tokens ? w->src[g.src].bs : 1;
-        if (tokens && !w->src[g.src].tok_nonempty) k = 0;
-        total += (g.end - g.start) * k;
+        total += (g.end - g.start) * per_block_k(&w->src[g.src], tokens ? P_TOKENS : P_HASHES);
     }
     return total;
+}
+
+/* Segment g's source list at `off` if it still holds the segment's k items per
+ * block, else NULL: an allocation since it was read may have run a finalizer,
+ * which may run any code. */
+static PyObject *seg_list(const Window *w, Seg g, Py_ssize_t off, Py_ssize_t k) {
+    PyObject *lst = FIELD(w->src[g.src].ev, off);
+    if (lst == NULL || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < g.end * k) return NULL;
+    return lst;
 }
 
 /* The concatenation of lst[start*k : end*k] over the item's segments, for the
@@ -1025,12 +1038,10 @@ static PyObject *concat_field(Window *w, const SegVec *segs, const Item *it, Py_
     Py_ssize_t at = 0;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
-        const Src *s = &w->src[g.src];
-        Py_ssize_t k = tokens ? s->bs : 1;
-        if (tokens && !s->tok_nonempty) continue;
-        PyObject *lst = FIELD(s->ev, off);
-        /* Checked again: allocations above may run a finalizer, which may run any code. */
-        if (lst == NULL || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < g.end * k) {
+        Py_ssize_t k = per_block_k(&w->src[g.src], tokens ? P_TOKENS : P_HASHES);
+        if (k == 0) continue;
+        PyObject *lst = seg_list(w, g, off, k);
+        if (lst == NULL) {
             Py_DECREF(out);
             PyErr_SetString(PyExc_RuntimeError, "an event changed while it was compacted");
             return NULL;
@@ -1701,12 +1712,10 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
     Py_ssize_t left = total;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
-        const Src *s = &w->src[g.src];
-        Py_ssize_t k = tokens ? s->bs : 1;
-        if (tokens && !s->tok_nonempty) continue;
-        PyObject *lst = FIELD(s->ev, off);
-        if (lst == NULL || !PyList_CheckExact(lst) || PyList_GET_SIZE(lst) < g.end * k)
-            return concat_field(w, segs, it, off, tokens); /* (which raises) */
+        Py_ssize_t k = per_block_k(&w->src[g.src], tokens ? P_TOKENS : P_HASHES);
+        if (k == 0) continue;
+        PyObject *lst = seg_list(w, g, off, k);
+        if (lst == NULL) return concat_field(w, segs, it, off, tokens); /* (which raises) */
         PyObject **items = ((PyListObject *)lst)->ob_item;
         for (Py_ssize_t j = g.start * k; j < g.end * k; j++) {
             PyObject *x = items[j];
@@ -1742,12 +1751,6 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
     PyObject *raw = PyObject_CallOneArg(s_raw_type, bytes);
     Py_DECREF(bytes);
     return raw;
-}
-
-/* Items per block in a per-block field of src s: 1, or block_size for tokens. */
-static inline Py_ssize_t per_block_k(const Src *s, int slot) {
-    if (slot != P_TOKENS) return 1;
-    return s->tok_nonempty ? s->bs : 0;
 }
 
 /* The per-block field `slot` of an item: the concatenation of its segments'
