@@ -51,24 +51,19 @@ def child(requests: int) -> None:
     import select
     import socket
     import time
-    from dataclasses import replace
 
     import coalesce._sender as sender_module
     from coalesce.demo import _spin_until
     from coalesce.events import KVEventBatch
     from coalesce.publisher import CoalescingPublisher, PublishOutcome
-    from coalesce.workload import Engine, WorkloadConfig
+    from coalesce.workload import Engine
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_overload import sweep_config
 
     if os.environ.get("BENCH_GIL_NO_SLICE"):
         sender_module.PRESSURE_FROM = 10.0  # never reached: always YIELD_EVERY
-    cfg = replace(
-        WorkloadConfig(),
-        ranks=1,
-        steps=500,
-        burst_every=500,
-        burst_length=120,
-        burst_requests=requests,
-    )
+    cfg = sweep_config(burst_requests=requests)
     engine = Engine(cfg, 0)
     steps = [engine.step() for _ in range(cfg.steps)]
     gc.collect()

@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 from dataclasses import replace
+from typing import Any
 
 from coalesce.demo import (
     KINDS,
@@ -28,6 +29,14 @@ from coalesce.demo import (
     stock_capacity_per_step,
 )
 from coalesce.workload import WorkloadConfig
+
+
+def sweep_config(**overrides: Any) -> WorkloadConfig:
+    """The sweep's engine: one rank, 500 steps, one burst of 120 steps (bench_gil
+    runs the same loop)."""
+    return replace(
+        WorkloadConfig(), ranks=1, steps=500, burst_every=500, burst_length=120, **overrides
+    )
 
 
 def main() -> None:
@@ -51,14 +60,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     kinds = [k for k in KINDS if (k in PUBLISHERS and not args.only) or k in (args.only or ())]
-    base = replace(
-        WorkloadConfig(),
-        ranks=1,
-        steps=500,
-        burst_every=500,
-        burst_length=120,
-        batch_events=args.batch_events,
-    )
+    base = sweep_config(batch_events=args.batch_events)
     per_request = events_per_request(base)
     cap = stock_capacity_per_step(base)
     n = base.batch_events
