@@ -52,7 +52,7 @@ import zmq
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
-from coalesce._wire import Encoder, message_sender, open_sockets
+from coalesce._wire import Encoder, is_native, message_sender, open_sockets
 from coalesce.compactor import compact_payload
 from coalesce.events import KVEventBatch
 
@@ -95,6 +95,7 @@ COUNTERS = (
     "snapshot_abandoned",
     "snapshot_blocks",
     "snapshot_exact",
+    "native_send",
 )
 """The shared counters, in file order (int64 each); all but the first two are
 ``PublisherStats`` fields."""
@@ -239,6 +240,7 @@ class CoalescerProcess:
         c = self.counters()
         out: dict[str, Any] = {name: c[name] for name in _PUBLISHED}
         out["snapshot_exact"] = bool(c["snapshot_exact"])
+        out["native_send"] = bool(c["native_send"])
         return out
 
     def drained(self) -> bool:
@@ -327,7 +329,9 @@ class Coalescer:
         with open(spec["counters"], "r+b") as f:
             self._file = mmap.mmap(f.fileno(), _LAYOUT.size)
         self._c = dict.fromkeys(COUNTERS, 0)
+        self._c["native_send"] = int(is_native(self._send_message))
         self._skip = False
+        self._write()  # (before the ready message: stats() read it from the start)
 
     @property
     def endpoints(self) -> dict[str, str | None]:

@@ -33,7 +33,7 @@ from coalesce._payoff import Payoff
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
-from coalesce._wire import Encoder, SendMessage, message_sender, open_sockets
+from coalesce._wire import Encoder, SendMessage, is_native, message_sender, open_sockets
 from coalesce.compactor import (
     PAYLOAD_RELEASE_AT,
     accelerated,
@@ -289,6 +289,7 @@ class Sender:
     ) -> None:
         self._pub: zmq.Socket[bytes] | None = None
         self._send_message: SendMessage | None = None
+        self._native_send = False
         if pub is not None:
             self._use_pub(pub)
         self._link = link
@@ -814,6 +815,7 @@ class Sender:
         """Send on ``pub`` from now on (the native send where it can: _wire)."""
         self._pub = pub
         self._send_message = message_sender(pub)
+        self._native_send = is_native(self._send_message)
 
     # -- encode and send ---------------------------------------------------------
 
@@ -975,6 +977,7 @@ class Sender:
         """The counters that are ``PublisherStats`` fields (the coalescer process's for
         what it does, while there is one).  O(1)."""
         out = self.totals.published()
+        out["native_send"] = self._native_send
         replay, snapshot = self.replay, self.snapshot
         out.update(replay.published() if replay is not None else ReplayService.NOTHING)
         out.update(snapshot.published() if snapshot is not None else SnapshotService.NOTHING)

@@ -27,6 +27,7 @@ __all__ = [
     "SendMessage",
     "Sockets",
     "loaded_libzmq",
+    "is_native",
     "message_sender",
     "native_send",
     "open_sockets",
@@ -184,6 +185,11 @@ def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
 
 
 _NATIVE: list[Any] = []  # [module or None], once looked up
+
+
+def is_native(send: SendMessage) -> bool:
+    """Whether ``send`` (from :func:`message_sender`) is the C send.  O(1)."""
+    return getattr(send, "__name__", "") == "send_native"
 
 
 def native_send() -> bool:

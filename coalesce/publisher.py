@@ -363,7 +363,6 @@ class CoalescingPublisher:
             backlog_peak=b.peak,
             sender_alive=s.alive,
             compactor_accelerated=accelerated(),
-            native_send=native_send(),
             **s.published(),
         )
 

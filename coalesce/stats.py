@@ -81,8 +81,9 @@ class PublisherStats:
         "0 when they run in Python (same results, slower)."
     )
     native_send: bool = _gauge(
-        "1 when messages go out through the optional C send that keeps the GIL; 0 when "
-        "through pyzmq's sends, which hand the GIL to the engine at every frame."
+        "1 when this publisher's messages go out through the optional C send that keeps "
+        "the GIL (with coalescer=\"process\", the process's); 0 when through pyzmq's "
+        "sends, which hand the GIL to the engine at every frame."
     )
     replay_requests: int = _counter("Well-formed replay requests accepted.")
     replay_invalid: int = _counter("Replay requests ignored (wrong frame count or seq length).")

@@ -130,6 +130,22 @@ def test_a_burst_is_compacted_there_and_every_model_ends_right(pubs, make_sub):
     assert_every_model_agrees(batches, received)
 
 
+@pytest.mark.parametrize("pyzmq_send", [False, True])
+def test_stats_say_which_send_the_process_uses(pubs, monkeypatch, pyzmq_send) -> None:
+    # The process reads COALESCE_PYZMQ_SEND when it starts; this process bound its
+    # own send long before, so only the process's report can tell the two apart.
+    from coalesce import _wire
+    from coalesce._env import PYZMQ_SEND
+
+    if pyzmq_send:
+        monkeypatch.setenv(PYZMQ_SEND, "1")
+    else:
+        monkeypatch.delenv(PYZMQ_SEND, raising=False)
+    p, _, _ = pubs()
+    expected = not pyzmq_send and _wire.native_send()
+    assert p.stats().native_send is expected
+
+
 def test_shutdown_sends_everything_and_stops_the_process(make_sub):
     port = free_port()
     p = CoalescingPublisher(endpoint=f"tcp://*:{port}", coalescer="process")

@@ -160,6 +160,12 @@ def test_stats_say_which_send_is_used() -> None:
         pub.shutdown()
 
 
+def test_is_native_tells_the_two_sends_apart(pub_sub) -> None:
+    pub, _ = pub_sub
+    assert _wire.is_native(_wire.message_sender(pub)) is _wire.native_send()
+    assert not _wire.is_native(lambda topic, seq, payload: None)
+
+
 @needs_native
 def test_native_send_never_releases_the_gil(pub_sub) -> None:
     """A thread ready to run gets no bytecode in while the native sends go out
