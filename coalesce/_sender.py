@@ -44,7 +44,7 @@ from coalesce.compactor import (
     rule_stats,
 )
 
-__all__ = ["Level", "PayloadWorker", "Sender"]
+__all__ = ["Level", "PayloadWorker", "Sender", "rules_window", "yield_slice"]
 
 log = logging.getLogger("coalesce")
 
@@ -93,6 +93,27 @@ PRESSURE_SLICE = 0.005
 """Seconds of continuous sender work under pressure: CPython's default switch
 interval, the longest an engine thread waits for the GIL from any other Python
 thread."""
+
+
+WIDEN_UP_TO = 4
+"""At most this many times ``max_events_per_step`` in one rules window, when the
+rest of the sender's GIL slice holds them at the rules' measured cost."""
+
+
+def rules_window(step: int, cost: float | None, room: float) -> int:
+    """Events the next rules window takes, O(1): as many as ``room`` seconds (the
+    rest of the sender's GIL slice) hold at ``cost`` seconds per event (the rules'
+    measured median), from ``step`` (``max_events_per_step``) up to
+    ``WIDEN_UP_TO`` x ``step``; ``step`` while the rules are not timed yet.
+
+    Each window costs a pass of Python around the C rules (take, encode, send,
+    count): a larger window pays it once for more events, and lets the rules
+    see more pairs to cancel.  Bounding it by the slice keeps the engine's wait
+    at a hand-over what the slice makes it.
+    """
+    if cost is None or cost <= 0.0:
+        return step
+    return min(WIDEN_UP_TO * step, max(step, int(room / cost)))
 
 
 def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
@@ -485,11 +506,12 @@ class Sender:
         """One bounded unit of work: a 1:1 send, or one compaction window.
 
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
-        Above it: fold, ``max_events_per_step`` events at a time, and apply
-        every rule.  On the event objects (the default) the rules run only
-        while they are not timed clearly dearer than folding alone on this
-        stream (:mod:`coalesce._payoff`); otherwise the window, 4x larger, is only
-        folded, as at the fold-only level (a window of big batches,
+        Above it: fold, ``max_events_per_step`` events at a time (up to
+        ``WIDEN_UP_TO`` x as many while the rest of the slice holds them:
+        :func:`rules_window`), and apply every rule.  On the event objects (the
+        default) the rules run only while they are not timed clearly dearer
+        than folding alone on this stream (:mod:`coalesce._payoff`); otherwise
+        the window, 4x larger, is only folded, as at the fold-only level (a window of big batches,
         ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
         than a window is compacted in parts of a window each under the same
         test, or encoded as it is (one encode: the longest GIL hold).  With
@@ -546,6 +568,8 @@ class Sender:
         rules = level == Level.RULES and (on_bytes or self._payoff.rules_next())
         if level == Level.RULES and not rules:
             step *= 4  # the fold-only way: the fold-only level's windows
+        elif rules and not on_bytes:
+            step = self._rules_window(step)
         window = backlog.take(step)
         if is_loss(window):
             self._lost(window)
@@ -565,6 +589,13 @@ class Sender:
             # The rules on the bytes lost ground: fold only.  (On the objects, the
             # rules level measures whether the rules pay, window by window.)
             self._escalated = True
+
+    def _rules_window(self, step: int) -> int:
+        """:func:`rules_window` for this moment: the rest of this slice, the rules'
+        median cost on this stream.  O(1)."""
+        held = time.perf_counter() - self._last_yield
+        room = yield_slice(self._pending_for_budget(), self._backlog.max_events, self._losing)
+        return rules_window(step, self._payoff.costs()[0], room - held)
 
     def _stage_if_behind(self) -> None:
         """Under pressure, free the batch budget (O(1) per batch staged)."""

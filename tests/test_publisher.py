@@ -369,6 +369,51 @@ def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losi
     assert PRESSURE_SLICE <= 0.005  # never longer than CPython's default switch interval
 
 
+def test_a_rules_window_holds_what_the_rest_of_the_slice_does():
+    from coalesce._sender import WIDEN_UP_TO, rules_window
+
+    assert rules_window(512, None, 1.0) == 512  # the rules not timed yet
+    assert rules_window(512, 0.0, 1.0) == 512
+    assert rules_window(512, 1e-6, 0.0002) == 512  # 200 would fit: never under step
+    assert rules_window(512, 1e-6, -0.01) == 512  # the slice is over
+    assert rules_window(512, 1e-6, 0.001) == 1000
+    assert rules_window(512, 1e-9, 0.005) == WIDEN_UP_TO * 512  # never past the bound
+
+
+def test_rules_windows_widen_to_their_bound_and_keep_the_state_exact(
+    pubs, make_sub, monkeypatch
+):
+    import coalesce._sender as sender
+
+    taken: list[tuple[int, bool]] = []  # (events, fold only) of each window compacted
+    real = sender.compact_for_wire
+
+    def spy(window: list[Any], **kw: Any) -> Any:
+        taken.append((sum(len(b.events) for b in window), kw.get("fold_only", False)))
+        return real(window, **kw)
+
+    monkeypatch.setattr(sender, "compact_for_wire", spy)
+    # the rules on every window, and a slice that never ends: each window after the
+    # first (timed) holds as many events as its bound lets it
+    monkeypatch.setattr(sender.Payoff, "rules_next", lambda self: True)
+    monkeypatch.setattr(sender, "yield_slice", lambda *args: 1.0)
+    ep = inproc("widen")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=2, max_events_per_step=16)
+    batches = [offload_batch(i) for i in range(600)]
+    with held(p):
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    st = p.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    rules = [n for n, fold_only in taken if not fold_only]
+    bound = sender.WIDEN_UP_TO * 16  # (batches of at most 3 events: whole batches)
+    assert rules[0] <= 16 and bound - 3 < max(rules) <= bound
+    assert st.batches_dropped == 0 and st.seq_gaps == 0
+    assert_every_model_agrees(batches, [decode(m[2]) for m in msgs])
+
+
 def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground(pubs):
     """The losing-ground decision itself, on a parked sender (its thread does not
     run while the test calls its hand-over step)."""
