@@ -211,6 +211,16 @@ def test_generic_event_batches_pass_untouched(pubs, make_sub):
     assert [b.events[0].value for b in got] == list(range(10))
 
 
+def sent_while_held(p: CoalescingPublisher, sub: Any, batches: list[Any]) -> tuple[Any, list[Any]]:
+    """Publish every batch while the sender is parked, flush; the stats and messages."""
+    with held(p):
+        for b in batches:
+            assert p.publish(b) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    st = p.stats()
+    return st, sub.recv_until_seq(st.messages_sent - 1)
+
+
 @pytest.mark.parametrize("payload_rules", [False, True])
 def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
     pubs, make_sub, payload_rules
@@ -220,12 +230,7 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
     p = pubs(endpoint=ep, high_watermark=2, payload_rules=payload_rules)
     batches = [offload_batch(i) for i in range(300)] + [batch(AllBlocksCleared())]
     batches += [offload_batch(i) for i in range(300, 400)]
-    with held(p):
-        for b in batches:
-            assert p.publish(b) is PublishOutcome.QUEUED
-    assert p.flush(10)
-    st = p.stats()
-    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    st, msgs = sent_while_held(p, sub, batches)
     assert [m[1] for m in msgs] == list(range(len(msgs)))
     assert st.messages_sent < len(batches) and st.batches_folded > 0
     assert st.compaction_passes > 0 and st.batches_dropped == 0 and st.seq_gaps == 0
@@ -401,12 +406,7 @@ def test_rules_windows_widen_to_their_bound_and_keep_the_state_exact(
     sub = make_sub(ep)
     p = pubs(endpoint=ep, high_watermark=2, max_events_per_step=16)
     batches = [offload_batch(i) for i in range(600)]
-    with held(p):
-        for b in batches:
-            assert p.publish(b) is PublishOutcome.QUEUED
-    assert p.flush(10)
-    st = p.stats()
-    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    st, msgs = sent_while_held(p, sub, batches)
     rules = [n for n, fold_only in taken if not fold_only]
     bound = sender.WIDEN_UP_TO * 16  # (batches of at most 3 events: whole batches)
     assert rules[0] <= 16 and bound - 3 < max(rules) <= bound
