@@ -180,6 +180,11 @@ def test_uncompacted_messages_are_byte_identical_to_vllms(enabled, made, make_su
                 lora_name=None,
             )
         ),
+        # larger than a compaction window (max_events_per_step): still one message
+        vbatch(
+            *[vstore(i, i - 1 if i else None) for i in range(1200)],
+            *[vk.BlockRemoved(block_hashes=[i], medium="GPU") for i in range(600)],
+        ),
     ]
     for b in batches:
         theirs.publish(msgspec.structs.replace(b))
