@@ -16,6 +16,10 @@ folding when it costs under :data:`FOLD_TAKES_OVER` times the rules, the
 rules when they cost under :data:`RULES_TAKE_OVER` times folding.  The band
 between is the noise of a median of such timings here (about 15%), and in
 it the rules are kept: at an even price, a smaller stream is worth having.
+Except while the sender is pressed (losing ground near its event budget,
+where the next batches would be refused): there the cheaper way takes over
+at any margin (:data:`PRESSED_TAKES_OVER`), since a loss costs every
+subscriber a resync, more than the bytes the rules save.
 Ratios, not costs, are compared because this machine's speed drifts by tens
 of per cent within seconds, and each ratio is of windows timed moments
 apart.  The other way is tried after :data:`EXPLORE_FIRST` windows, then at
@@ -35,6 +39,7 @@ __all__ = [
     "EXPLORE_FIRST",
     "EXPLORE_MAX",
     "FOLD_TAKES_OVER",
+    "PRESSED_TAKES_OVER",
     "RULES_TAKE_OVER",
     "SAMPLES",
     "Payoff",
@@ -55,6 +60,10 @@ FOLD_TAKES_OVER = 0.8
 
 RULES_TAKE_OVER = 1.05
 """The rules replace folding alone when they cost under this times folding."""
+
+PRESSED_TAKES_OVER = 1.0
+"""Either way replaces the other when it costs under this times the other, while
+the sender is pressed (``record(..., pressed=True)``)."""
 
 
 def _median(xs: deque[float]) -> float:
@@ -96,13 +105,16 @@ class Payoff:
             return not chosen
         return chosen
 
-    def record(self, rules: bool, seconds_per_event: float) -> None:
-        """What one window cost, per event of the window, on the way it went."""
+    def record(self, rules: bool, seconds_per_event: float, pressed: bool = False) -> None:
+        """What one window cost, per event of the window, on the way it went;
+        ``pressed``: the sender is losing ground near its event budget (the
+        cheaper way then takes over at any margin)."""
         chosen = self._costs[self._rules]
         if rules != self._rules and chosen:  # the other way, beside the chosen way's
             ratio = seconds_per_event / max(_median(chosen), 1e-12)
             self._ratios.append(ratio)
             bar = RULES_TAKE_OVER if rules else FOLD_TAKES_OVER
+            bar = PRESSED_TAKES_OVER if pressed else bar
             self._every = EXPLORE_FIRST if ratio < bar else min(2 * self._every, EXPLORE_MAX)
             if _median(self._ratios) < bar:  # the other way is cheaper: it takes over
                 self._rules = rules

@@ -44,7 +44,7 @@ from coalesce.compactor import (
     rule_stats,
 )
 
-__all__ = ["Level", "PayloadWorker", "Sender", "rules_window", "yield_slice"]
+__all__ = ["Level", "PayloadWorker", "Sender", "pressed", "rules_window", "yield_slice"]
 
 log = logging.getLogger("coalesce")
 
@@ -129,9 +129,15 @@ def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
     engine's GIL hand-offs (never in ``publish()``'s own work) instead of a
     loss.  A backlog that is deep but shrinking keeps the short slice.
     """
-    if losing and pending_events > PRESSURE_FROM * budget:
-        return PRESSURE_SLICE
-    return YIELD_EVERY
+    return PRESSURE_SLICE if pressed(pending_events, budget, losing) else YIELD_EVERY
+
+
+def pressed(pending_events: int, budget: int, losing: bool) -> bool:
+    """Whether the sender is pressed, O(1): losing ground with more than
+    ``PRESSURE_FROM`` of the event budget pending.  Then it takes the longer GIL
+    slice (:func:`yield_slice`) and the cheaper way of the rules level at any
+    margin (``Payoff.record``): the next batches would be refused."""
+    return losing and pending_events > PRESSURE_FROM * budget
 
 
 class Level(enum.IntEnum):
@@ -729,7 +735,8 @@ class Sender:
             self._send_each(window)
             return window
         if level == Level.RULES:  # compaction and encoding, both holding the GIL
-            self._payoff.record(rules, (time.perf_counter() - t0) / max(self._in_flight[1], 1))
+            cost = (time.perf_counter() - t0) / max(self._in_flight[1], 1)
+            self._payoff.record(rules, cost, self._pressed())
             self.totals.rules_skipped += not rules
         for b, payload in zip(out, payloads, strict=True):
             self._emit(payload, _n_events(b))
@@ -761,7 +768,7 @@ class Sender:
             if encoded is None:
                 self._send_one(batch, n)  # lost, visibly
                 return [batch]
-            self._payoff_big.record(False, (time.perf_counter() - t0) / max(n, 1))
+            self._payoff_big.record(False, (time.perf_counter() - t0) / max(n, 1), self._pressed())
             self._emit(encoded[0], n)
             return [batch]
         sent: list[Any] = []
@@ -787,7 +794,7 @@ class Sender:
                     self.totals.add_pass(rep, fold_only=False)
             self._maybe_yield()
             self._stage_if_behind()  # between parts, keep the batch budget free (as _step)
-        self._payoff_big.record(True, spent / max(n, 1))
+        self._payoff_big.record(True, spent / max(n, 1), self._pressed())
         return sent
 
     def _lost(self, marker: Any) -> None:
@@ -836,6 +843,10 @@ class Sender:
         pending = self._pending_for_budget()
         self._losing = pending > self._pending_at_yield
         self._pending_at_yield = pending
+
+    def _pressed(self) -> bool:
+        """:func:`pressed` now.  O(1)."""
+        return pressed(self._pending_for_budget(), self._backlog.max_events, self._losing)
 
     def _pending_for_budget(self) -> int:
         """Events or batches pending, whichever is more: both count to the event budget."""

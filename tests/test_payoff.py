@@ -112,7 +112,7 @@ class _Forced(Payoff):
     def rules_next(self) -> bool:
         return self.pay
 
-    def record(self, rules: bool, seconds_per_event: float) -> None:
+    def record(self, rules: bool, seconds_per_event: float, pressed: bool = False) -> None:
         self.recorded.append((rules, seconds_per_event))
 
 
@@ -173,3 +173,23 @@ def test_a_batch_larger_than_a_window_is_compacted_in_parts_while_that_pays(
         assert len(received) >= 15 and st.events_sent < st.events_in // 2
     else:  # as it was published, in one message
         assert received[0] == batches[0] and st.events_sent == st.events_in
+
+
+@pytest.mark.parametrize("fold_cost", [0.85e-7, 0.95e-7])
+def test_a_pressed_sender_takes_the_cheaper_way_at_any_margin(fold_cost):
+    """Within the band the rules are kept (above), but not while the sender is
+    losing ground near its budget: there the cheaper way drains more per second."""
+    p = Payoff()
+    for _ in range(400):
+        rules = p.rules_next()
+        p.record(rules, 1e-7 if rules else fold_cost, pressed=True)
+    assert decisions(p, EXPLORE_FIRST, 1e-7, fold_cost).count(True) <= 1
+
+
+def test_a_pressed_sender_keeps_the_rules_where_they_are_cheaper():
+    p = Payoff()
+    for _ in range(400):
+        rules = p.rules_next()
+        p.record(rules, 1e-7 if rules else 1.05e-7, pressed=True)
+    assert p.rules_next() is True
+    assert decisions(p, EXPLORE_FIRST, 1e-7, 1.05e-7).count(False) <= 1

@@ -360,7 +360,7 @@ def test_event_budget_counts_events(pubs):
 
 
 def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losing_ground():
-    from coalesce._sender import PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY, yield_slice
+    from coalesce._sender import PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY, pressed, yield_slice
 
     budget = 1000
     floor = int(PRESSURE_FROM * budget)
@@ -372,6 +372,8 @@ def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losi
     assert yield_slice(floor + 1, budget, True) == yield_slice(3 * budget, budget, True)
     assert yield_slice(floor + 1, budget, True) == PRESSURE_SLICE > YIELD_EVERY
     assert PRESSURE_SLICE <= 0.005  # never longer than CPython's default switch interval
+    assert pressed(floor + 1, budget, True)
+    assert not pressed(floor, budget, True) and not pressed(3 * budget, budget, False)
 
 
 def test_a_rules_window_holds_what_the_rest_of_the_slice_does():
