@@ -517,8 +517,8 @@ class Sender:
         :func:`rules_window`), and apply every rule.  On the event objects (the
         default) the rules run only while they are not timed clearly dearer
         than folding alone on this stream (:mod:`coalesce._payoff`); otherwise
-        the window, 4x larger, is only folded, as at the fold-only level (a window of big batches,
-        ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
+        the window, 4x larger, is only folded, as at the fold-only level (a
+        window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
         than a window is compacted in parts of a window each under the same
         test, or encoded as it is (one encode: the longest GIL hold).  With
         ``payload_rules`` (and the C accelerator, and no ``move_events``) or
@@ -600,8 +600,7 @@ class Sender:
         """:func:`rules_window` for this moment: the rest of this slice, the rules'
         median cost on this stream.  O(1)."""
         held = time.perf_counter() - self._last_yield
-        room = yield_slice(self._pending_for_budget(), self._backlog.max_events, self._losing)
-        return rules_window(step, self._payoff.costs()[0], room - held)
+        return rules_window(step, self._payoff.costs()[0], self._slice() - held)
 
     def _stage_if_behind(self) -> None:
         """Under pressure, free the batch budget (O(1) per batch staged)."""
@@ -834,7 +833,7 @@ class Sender:
         held = time.perf_counter() - self._last_yield
         if held < YIELD_EVERY:
             return
-        if held < yield_slice(self._pending_for_budget(), self._backlog.max_events, self._losing):
+        if held < self._slice():
             return
         time.sleep(0)
         self._last_yield = time.perf_counter()
@@ -843,6 +842,10 @@ class Sender:
         pending = self._pending_for_budget()
         self._losing = pending > self._pending_at_yield
         self._pending_at_yield = pending
+
+    def _slice(self) -> float:
+        """:func:`yield_slice` now.  O(1)."""
+        return yield_slice(self._pending_for_budget(), self._backlog.max_events, self._losing)
 
     def _pressed(self) -> bool:
         """:func:`pressed` now.  O(1)."""
