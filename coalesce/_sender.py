@@ -44,7 +44,15 @@ from coalesce.compactor import (
     rule_stats,
 )
 
-__all__ = ["Level", "PayloadWorker", "Sender", "pressed", "rules_window", "yield_slice"]
+__all__ = [
+    "Level",
+    "PayloadWorker",
+    "Sender",
+    "pressed",
+    "rules_window",
+    "sends_whole",
+    "yield_slice",
+]
 
 log = logging.getLogger("coalesce")
 
@@ -95,6 +103,11 @@ interval, the longest an engine thread waits for the GIL from any other Python
 thread."""
 
 
+WHOLE_FROM = 0.5
+"""Share of the event budget pending above which the sender sends a batch larger
+than a window as it is, in one encode (:func:`sends_whole`)."""
+
+
 WIDEN_UP_TO = 4
 """At most this many times ``max_events_per_step`` in one rules window, when the
 rest of the sender's GIL slice holds them at the rules' measured cost."""
@@ -138,6 +151,24 @@ def pressed(pending_events: int, budget: int, losing: bool) -> bool:
     slice (:func:`yield_slice`) and the cheaper way of the rules level at any
     margin (``Payoff.record``): the next batches would be refused."""
     return losing and pending_events > PRESSURE_FROM * budget
+
+
+def sends_whole(pending_events: int, budget: int) -> bool:
+    """Whether a batch larger than a window goes out as it is, in one encode, O(1):
+    while more than ``WHOLE_FROM`` of the event budget is pending (events, or
+    batches if more), whatever the rules in parts would save.
+
+    The rules in parts hand the GIL back between parts, and at a load that
+    fills the budget the engine publishes more in its turns than the sender's
+    slices drain (a slice ends at CPython's switch interval at the latest).
+    One encode holds the GIL for the whole batch, as vLLM's sender holds it
+    for each of its batches: the engine cannot publish its next batch before
+    this one is encoded, so it goes at the sender's pace instead of outrunning
+    it into a loss.  Whether the backlog is still growing does not matter
+    here: a sender that went back to parts whenever the backlog held steady
+    would let it climb again.
+    """
+    return pending_events > WHOLE_FROM * budget
 
 
 class Level(enum.IntEnum):
@@ -755,10 +786,14 @@ class Sender:
         """One batch larger than a window, at the rules level: the rules on each
         ``step`` events of it in turn (each a batch of its own, sent in order,
         the GIL handed over between them), while they pay on such batches
-        (a :class:`Payoff` of their own); else sent as it is, in one encode.
+        (a :class:`Payoff` of their own) and the backlog is not near the event
+        budget (:func:`sends_whole`); else sent as it is, in one encode.
         Returns the batches the recorder must see."""
         n = self._in_flight[1]
         events = batch.events
+        if self._sends_whole():  # the engine goes at the sender's pace (not timed)
+            self._send_one(batch, n)
+            return [batch]
         # (not a KV batch: never cut in parts; the check, O(events) in C, only when
         # the rules would run)
         if not (self._payoff_big.rules_next() and compactable(batch)):
@@ -850,6 +885,10 @@ class Sender:
     def _pressed(self) -> bool:
         """:func:`pressed` now.  O(1)."""
         return pressed(self._pending_for_budget(), self._backlog.max_events, self._losing)
+
+    def _sends_whole(self) -> bool:
+        """:func:`sends_whole` now.  O(1)."""
+        return sends_whole(self._pending_for_budget(), self._backlog.max_events)
 
     def _pending_for_budget(self) -> int:
         """Events or batches pending, whichever is more: both count to the event budget."""

@@ -175,6 +175,43 @@ def test_a_batch_larger_than_a_window_is_compacted_in_parts_while_that_pays(
         assert received[0] == batches[0] and st.events_sent == st.events_in
 
 
+@pytest.mark.parametrize("near_budget", [True, False])
+def test_a_sender_near_its_budget_sends_a_big_batch_whole(
+    pubs, make_sub, monkeypatch, near_budget
+):
+    """The rules pay, but more than ``WHOLE_FROM`` of the budget is pending: one
+    encode, as vLLM's sender would, paces the engine."""
+    import coalesce._sender as sender
+
+    batches = [chain(1000, 600), chain(5000, 600)] + [offload_batch(i) for i in range(4)]
+    behind = sum(len(b.events) for b in batches[1:])  # pending once the first is taken
+    budget = int(behind / sender.WHOLE_FROM) + (-1 if near_budget else 1)
+    st, received = run_held(
+        pubs,
+        make_sub,
+        monkeypatch,
+        True,
+        batches,
+        max_events_per_step=64,
+        max_pending_events=budget,
+    )
+    if near_budget:  # the first as it was published; the rest, under WHOLE_FROM, in parts
+        assert received[0] == batches[0] and len(received) >= 1 + 15
+    else:  # under WHOLE_FROM: in parts, each compacted
+        assert received[0] != batches[0] and len(received) >= 2 * 15
+    assert st.events_sent < st.events_in
+
+
+def test_sends_whole_past_its_share_of_the_budget_growing_or_not():
+    from coalesce._sender import PRESSURE_FROM, WHOLE_FROM, sends_whole
+
+    budget = 1000
+    floor = int(WHOLE_FROM * budget)
+    assert PRESSURE_FROM < WHOLE_FROM < 1  # the longer slice first, whole sends later
+    assert sends_whole(floor + 1, budget) and sends_whole(3 * budget, budget)
+    assert not sends_whole(floor, budget) and not sends_whole(0, budget)
+
+
 @pytest.mark.parametrize("fold_cost", [0.85e-7, 0.95e-7])
 def test_a_pressed_sender_takes_the_cheaper_way_at_any_margin(fold_cost):
     """Within the band the rules are kept (above), but not while the sender is
