@@ -33,14 +33,7 @@ import time
 from collections import deque
 from typing import Any, Final
 
-__all__ = ["LOSS", "RESUME_BELOW", "Backlog", "is_loss"]
-
-RESUME_BELOW: Final = 0.9
-"""Once :meth:`Backlog.offer` has refused a batch, it accepts again only when the
-events pending are back at or under this share of ``max_events``: a loss comes
-as one episode (one gap, one resync for every subscriber), not as refusals
-alternating with acceptances at the edge of the budget, each alternation a gap
-of its own."""
+__all__ = ["LOSS", "Backlog", "is_loss"]
 
 
 class _Loss:
@@ -118,16 +111,12 @@ class Backlog:
         ``max_batches`` batches in the hand-off deque once the sender has
         taken nothing from it for ``stall_timeout`` (module docstring).  Over
         budget the batch is refused (returns False) and counted; the loss will
-        show as a sequence gap.  After a refusal, batches are refused until the
-        events pending are back at or under ``RESUME_BELOW`` of ``max_events``
-        (with nothing pending, any batch within the budget is taken).
+        show as a sequence gap.
         """
         pending = self.batches_in - self.batches_out
-        events = self.pending_events
         if (
             self._refusing
-            or events + n_events > self.max_events
-            or (self._unmarked_loss and events > RESUME_BELOW * self.max_events)
+            or self.pending_events + n_events > self.max_events
             or pending + self.staged >= self.max_events
             or (pending >= self.max_batches and self._stalled())
         ):

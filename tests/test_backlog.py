@@ -7,7 +7,7 @@ import random
 import pytest
 
 from coalesce import KVEventBatch
-from coalesce._backlog import LOSS, RESUME_BELOW, Backlog, is_loss
+from coalesce._backlog import LOSS, Backlog, is_loss
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -51,33 +51,6 @@ def test_a_loss_is_marked_exactly_where_it_happened():
     assert b.take_one() == (first, 0)
     assert b.offer(third, 0)
     assert b.take_one() is LOSS and b.take_one() == (third, 0)
-    b.check()
-
-
-def test_after_a_refusal_it_refuses_until_the_backlog_is_back_under_resume_below():
-    """One loss episode, one gap: not refusals alternating with acceptances."""
-    b = Backlog(max_batches=100, max_events=100)
-    assert RESUME_BELOW * 100 < 95
-    held = [KVEventBatch(float(i), [None] * 19) for i in range(5)]
-    for x in held:
-        assert b.offer(x, 19)
-    assert not b.offer(KVEventBatch(5.0, [None] * 10), 10)  # 105 > 100
-    assert not b.offer(KVEventBatch(6.0, [None] * 5), 5)  # it fits, but 95 are pending
-    assert b.take_one() == (held[0], 19)  # 76 pending: under RESUME_BELOW
-    last = KVEventBatch(7.0, [None] * 5)
-    assert b.offer(last, 5)
-    got = [b.take_one() for _ in range(len(b))]
-    assert got == [(x, 19) for x in held[1:]] + [LOSS, (last, 5)]  # one gap for both
-    assert b.batches_dropped == 2
-    b.check()
-
-
-def test_with_nothing_pending_a_refusal_does_not_lower_the_budget():
-    b = Backlog(max_batches=10, max_events=10)
-    assert b.offer(KVEventBatch(0.0, [None] * 8), 8)
-    assert not b.offer(KVEventBatch(1.0, [None] * 3), 3)
-    assert b.take_one() == (KVEventBatch(0.0, [None] * 8), 8)
-    assert b.offer(KVEventBatch(2.0, [None] * 10), 10)  # the whole budget, as before
     b.check()
 
 
