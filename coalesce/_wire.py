@@ -11,6 +11,7 @@ figures).
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -176,6 +177,7 @@ def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
                 if err:
                     raise zmq.ZMQError(err)
 
+            _NATIVE_SENDS.add(send_native)
             return send_native
 
     def send_pyzmq(topic: bytes, seq: int, payload: bytes) -> None:
@@ -186,10 +188,14 @@ def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
 
 _NATIVE: list[Any] = []  # [module or None], once looked up
 
+_NATIVE_SENDS: weakref.WeakSet[SendMessage] = weakref.WeakSet()
+"""The C sends :func:`message_sender` made (weakly: a socket's send goes with it)."""
+
 
 def is_native(send: SendMessage) -> bool:
-    """Whether ``send`` (from :func:`message_sender`) is the C send.  O(1)."""
-    return getattr(send, "__name__", "") == "send_native"
+    """Whether ``send`` is a C send made by :func:`message_sender` (not any function
+    of that name).  O(1)."""
+    return send in _NATIVE_SENDS
 
 
 def native_send() -> bool:

@@ -165,6 +165,11 @@ def test_is_native_tells_the_two_sends_apart(pub_sub) -> None:
     assert _wire.is_native(_wire.message_sender(pub)) is _wire.native_send()
     assert not _wire.is_native(lambda topic, seq, payload: None)
 
+    def send_native(topic: bytes, seq: int, payload: bytes) -> None:  # the name alone
+        pass
+
+    assert not _wire.is_native(send_native)
+
 
 @needs_native
 def test_native_send_never_releases_the_gil(pub_sub) -> None:
