@@ -64,6 +64,7 @@ class Backlog:
     """Bounded by the caller's budget, not by blocking.
 
     Engine thread: :meth:`offer`.  Sender thread: :meth:`mark_pending_loss` (at shutdown),
+    :meth:`next_is_batch`,
     :meth:`take_one`, :meth:`take`, :meth:`refuse_all`.  Any thread: the read-only
     properties.
     """
@@ -204,6 +205,11 @@ class Backlog:
         else:
             self.batches_out += batches
         self.events_out += events
+
+    def next_is_batch(self) -> bool:
+        """Whether a batch (not a loss marker) is the next item waiting.  O(1)."""
+        src = self._source()
+        return bool(src) and not is_loss(src[0])
 
     def take_one(self) -> tuple[Any, int] | _Loss:
         """Pop the oldest item: ``(batch, events)`` or ``LOSS``.  O(1).  Must not be empty."""

@@ -164,9 +164,11 @@ def sends_whole(pending_events: int, budget: int) -> bool:
     One encode holds the GIL for the whole batch, as vLLM's sender holds it
     for each of its batches: the engine cannot publish its next batch before
     this one is encoded, so it goes at the sender's pace instead of outrunning
-    it into a loss.  Whether the backlog is still growing does not matter
-    here: a sender that went back to parts whenever the backlog held steady
-    would let it climb again.
+    it into a loss; the next batch waiting is folded into the same encode, so
+    that the sender drains two batches while the engine publishes one.
+    Whether the backlog is still growing does not matter here: a sender that
+    went back to parts whenever the backlog held steady would let it climb
+    again.
     """
     return pending_events > WHOLE_FROM * budget
 
@@ -787,13 +789,13 @@ class Sender:
         ``step`` events of it in turn (each a batch of its own, sent in order,
         the GIL handed over between them), while they pay on such batches
         (a :class:`Payoff` of their own) and the backlog is not near the event
-        budget (:func:`sends_whole`); else sent as it is, in one encode.
+        budget; else sent as it is, in one encode (near the budget,
+        :func:`sends_whole`, with the next batch waiting folded into it).
         Returns the batches the recorder must see."""
         n = self._in_flight[1]
         events = batch.events
         if self._sends_whole():  # the engine goes at the sender's pace (not timed)
-            self._send_one(batch, n)
-            return [batch]
+            return self._send_whole(batch, n)
         # (not a KV batch: never cut in parts; the check, O(events) in C, only when
         # the rules would run)
         if not (self._payoff_big.rules_next() and compactable(batch)):
@@ -830,6 +832,42 @@ class Sender:
             self._stage_if_behind()  # between parts, keep the batch budget free (as _step)
         self._payoff_big.record(True, spent / max(n, 1), self._pressed())
         return sent
+
+    def _send_whole(self, batch: Any, n: int) -> list[Any]:
+        """Past ``WHOLE_FROM`` (:func:`sends_whole`): ``batch`` and the next batch
+        waiting, if one is (no loss between them), folded into one message and
+        encoded in one call; else ``batch`` as it is.  O(events of the two).
+
+        One encode holds the GIL for both: the engine publishes a batch in each
+        of its turns, and the sender drains two in each of its own, so a backlog
+        this deep shrinks instead of holding.  Returns the batches the recorder
+        must see."""
+        backlog = self._backlog
+        if not backlog.next_is_batch():
+            self._send_one(batch, n)
+            return [batch]
+        taken = backlog.events_out
+        nxt = backlog.take(1)  # one batch: the oldest item is not a loss marker
+        assert isinstance(nxt, list)
+        batches, events = self._in_flight
+        self._in_flight = (batches + len(nxt), events + backlog.events_out - taken)
+        pair = [batch, *nxt]
+        try:
+            out, rep = self._compact(pair, fold_only=True)
+        except Exception as exc:  # a value the fold cannot handle: each as given
+            self._compaction_failed(exc)
+            out, rep = pair, None
+        payloads = self._encode_all(out)
+        if payloads is None:  # one would not encode: each as given (or lost, visibly)
+            out, rep = pair, None
+            self._send_each(pair)
+        else:
+            for b, payload in zip(out, payloads, strict=True):
+                self._emit(payload, _n_events(b))
+        if rep is not None:
+            self.totals.add_pass(rep, fold_only=True)
+        self.done += len(nxt)  # (the caller counts ``batch``)
+        return out
 
     def _lost(self, marker: Any) -> None:
         """A loss marker: skip a seq; the recorder still gets what was refused."""

@@ -54,6 +54,20 @@ def test_a_loss_is_marked_exactly_where_it_happened():
     b.check()
 
 
+def test_next_is_batch_sees_the_oldest_item_staged_or_not():
+    b = Backlog(max_batches=1, max_events=100)
+    assert not b.next_is_batch()  # empty
+    first, second = KVEventBatch(0.0, []), KVEventBatch(1.0, [])
+    assert b.offer(first, 0) and b.stage() == 1 and b.next_is_batch()
+    assert b.offer(second, 0) and not b.offer(KVEventBatch(2.0, []), 0)  # then a loss
+    assert b.take_one() == (first, 0) and b.next_is_batch()  # second, in the hand-off
+    assert b.offer(KVEventBatch(3.0, []), 0) is False  # the deque is full
+    assert b.take_one() == (second, 0)
+    assert b.offer(KVEventBatch(4.0, []), 0) and not b.next_is_batch()  # LOSS first
+    assert b.take_one() is LOSS and b.next_is_batch()
+    b.check()
+
+
 def test_counts_survive_a_batch_mutated_after_it_was_offered():
     b = Backlog(max_batches=10, max_events=100)
     batch = KVEventBatch(0.0, [None] * 5)
