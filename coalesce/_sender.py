@@ -793,9 +793,9 @@ class Sender:
         :func:`sends_whole`, with the next batch waiting folded into it).
         Returns the batches the recorder must see."""
         n = self._in_flight[1]
-        events = batch.events
         if self._sends_whole():  # the engine goes at the sender's pace (not timed)
             return self._send_whole(batch, n)
+        events = batch.events
         # (not a KV batch: never cut in parts; the check, O(events) in C, only when
         # the rules would run)
         if not (self._payoff_big.rules_next() and compactable(batch)):
