@@ -553,7 +553,9 @@ class Sender:
         the window, 4x larger, is only folded, as at the fold-only level (a
         window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
         than a window is compacted in parts of a window each under the same
-        test, or encoded as it is (one encode: the longest GIL hold).  With
+        test, or encoded as it is (one encode: the longest GIL hold; past
+        ``WHOLE_FROM`` of the budget, with the next batch folded in:
+        :func:`sends_whole`).  With
         ``payload_rules`` (and the C accelerator, and no ``move_events``) or
         a coalescer process, the rules run on the encoded window, mostly
         without the GIL, so the GIL is held for folding and encoding only;
@@ -812,22 +814,14 @@ class Sender:
         for i in range(0, len(events), step):
             t0 = time.perf_counter()
             part = msgspec.structs.replace(batch, events=events[i : i + step])
-            try:
-                out, rep = self._compact([part], fold_only=False)
-            except Exception as exc:  # a value the rules cannot handle: this part as given
-                self._compaction_failed(exc)
-                out, rep = [part], None
-            payloads = self._encode_all(out)
+            out, payloads, rep = self._compact_encode([part], fold_only=False)
             spent += time.perf_counter() - t0
             if payloads is None:  # this part as given (encoded, or lost visibly)
                 self._send_one(part, len(part.events))
                 sent.append(part)
             else:
-                for b, payload in zip(out, payloads, strict=True):
-                    self._emit(payload, _n_events(b))
+                self._emit_all(out, payloads, rep, fold_only=False)
                 sent += out
-                if rep is not None:
-                    self.totals.add_pass(rep, fold_only=False)
             self._maybe_yield()
             self._stage_if_behind()  # between parts, keep the batch budget free (as _step)
         self._payoff_big.record(True, spent / max(n, 1), self._pressed())
@@ -852,22 +846,34 @@ class Sender:
         batches, events = self._in_flight
         self._in_flight = (batches + len(nxt), events + backlog.events_out - taken)
         pair = [batch, *nxt]
-        try:
-            out, rep = self._compact(pair, fold_only=True)
-        except Exception as exc:  # a value the fold cannot handle: each as given
-            self._compaction_failed(exc)
-            out, rep = pair, None
-        payloads = self._encode_all(out)
+        out, payloads, rep = self._compact_encode(pair, fold_only=True)
         if payloads is None:  # one would not encode: each as given (or lost, visibly)
-            out, rep = pair, None
+            out = pair
             self._send_each(pair)
         else:
-            for b, payload in zip(out, payloads, strict=True):
-                self._emit(payload, _n_events(b))
-        if rep is not None:
-            self.totals.add_pass(rep, fold_only=True)
+            self._emit_all(out, payloads, rep, fold_only=True)
         self.done += len(nxt)  # (the caller counts ``batch``)
         return out
+
+    def _compact_encode(
+        self, given: list[Any], fold_only: bool
+    ) -> tuple[list[Any], list[bytes] | None, Any]:
+        """The rules (or the fold) on ``given``, then every result encoded:
+        (batches, their payloads or None if one would not encode, the report or
+        None).  A value the rules cannot handle leaves ``given`` as it was."""
+        try:
+            out, rep = self._compact(given, fold_only=fold_only)
+        except Exception as exc:  # a value the rules cannot handle: as given
+            self._compaction_failed(exc)
+            out, rep = given, None
+        return out, self._encode_all(out), rep
+
+    def _emit_all(self, out: list[Any], payloads: list[bytes], rep: Any, fold_only: bool) -> None:
+        """Send each batch of :meth:`_compact_encode`'s result, and count its pass."""
+        for b, payload in zip(out, payloads, strict=True):
+            self._emit(payload, _n_events(b))
+        if rep is not None:
+            self.totals.add_pass(rep, fold_only=fold_only)
 
     def _lost(self, marker: Any) -> None:
         """A loss marker: skip a seq; the recorder still gets what was refused."""
