@@ -94,8 +94,9 @@ class Recorder:
 
     # -- feeding ---------------------------------------------------------------
 
-    def record(self, batch: Any) -> None:
+    def record(self, batch: Any, keep_gil: bool = False) -> None:
         """Apply one batch's events, in order.  O(hashes); never raises.
+        (``keep_gil``: as :class:`_CRecorder`'s; this one never releases it.)
 
         While unavailable, only an ``AllBlocksCleared`` is looked for; it makes
         the recorder exact again and the events after it are applied.
@@ -441,8 +442,9 @@ class _CRecorder:
         """Hashes kept (held somewhere, or the ancestor of a held one).  O(1)."""
         return int(self._state.retained)
 
-    def record(self, batch: Any) -> None:
-        """:meth:`Recorder.record`.  O(blocks); never raises."""
+    def record(self, batch: Any, keep_gil: bool = False) -> None:
+        """:meth:`Recorder.record`.  O(blocks); never raises.  The table pass
+        releases the GIL from ``release_at`` hashes on, unless ``keep_gil``."""
         self.batches += 1
         try:
             events = batch.events
@@ -450,7 +452,7 @@ class _CRecorder:
             if type(events) is not list:
                 events = list(events)
             while True:
-                r = self._state.record(events, self.max_blocks, self.release_at)
+                r = self._state.record(events, self.max_blocks, 0 if keep_gil else self.release_at)
                 if type(r) is int:
                     break
                 if self._register(r, _kind(r), tuple(getattr(r, "__struct_fields__", ()))) is None:

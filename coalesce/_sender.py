@@ -593,7 +593,6 @@ class Sender:
                 )
             self._level = level
         taken_events = backlog.events_out
-        record = self._record
         if level == Level.ONE_TO_ONE:
             self._finish_pending()  # sent and recorded before anything taken after it
             item = backlog.take_one()
@@ -601,9 +600,9 @@ class Sender:
                 self._lost(item)
                 return
             assert isinstance(item, tuple)
+            near = self._sends_whole()  # once taken: what a whole send decides by
             self._send_taken(item[0], item[1])
-            if record is not None:
-                record(item[0])
+            self._record_sent([item[0]], near)
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
         rules = level == Level.RULES and (on_bytes or self._payoff.rules_next())
@@ -620,10 +619,8 @@ class Sender:
         if on_bytes:  # records and finishes it itself
             self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
         else:
-            sent = self._send_object_window(window, level, step, rules)
-            if record is not None:
-                for b in sent:
-                    record(b)
+            near = self._sends_whole()  # once taken: what a whole send decides by
+            self._record_sent(self._send_object_window(window, level, step, rules), near)
             self.done += len(window)
         self._in_flight = (0, 0)
         if level == Level.RULES and on_bytes and backlog.pending_events >= events_before:
@@ -711,11 +708,20 @@ class Sender:
 
     def _finished(self, batches: list[Any], window: int) -> None:
         """A window's message is out: the recorder sees its batches; it is done."""
-        record = self._record
-        if record is not None:
-            for b in batches:
-                record(b)
+        self._record_sent(batches, self._sends_whole())
         self.done += window
+
+    def _record_sent(self, batches: list[Any], keep_gil: bool) -> None:
+        """The recorder (if snapshots are on) sees ``batches``, just sent.  Taken
+        near the event budget (``keep_gil``: :func:`sends_whole`), they are recorded
+        with the GIL kept throughout, as the whole send before did: handing it
+        over there let the engine publish between the sender's turns faster than
+        they drained.  O(hashes)."""
+        record = self._record
+        if record is None:
+            return
+        for b in batches:
+            record(b, keep_gil)
 
     def _finish_pending(self) -> None:
         """Send the window the helper has been compacting (waiting for it if need be).
@@ -885,8 +891,9 @@ class Sender:
             return
         snapshot = self.snapshot
         if snapshot is not None:
+            keep_gil = self._sends_whole()  # as _record_sent: a loss is at the budget
             for b in marker.refused or ():
-                snapshot.record(b)
+                snapshot.record(b, keep_gil)
             if marker.overflow:
                 snapshot.invalidate("more batches refused than the record bound keeps")
 

@@ -134,15 +134,17 @@ class SnapshotService:
 
     # -- the feed ----------------------------------------------------------------
 
-    def record(self, batch: Any) -> None:
+    def record(self, batch: Any, keep_gil: bool = False) -> None:
         """Give the recorder one batch (published, sent or lost), in publish order.
 
         O(hashes); deferred (O(1)) while a reply is being built.  Past
         ``max_deferred_events`` waiting the reply is abandoned (its clients get
         ``-2`` and ask again) so that the deferred list stays bounded.
+        ``keep_gil``: the C recorder holds the GIL throughout (the sender asks
+        for it near the event budget, where the engine must go at its pace).
         """
         if self._round is None:
-            self._record(batch)
+            self._record(batch, keep_gil)
             return
         self._deferred.append(batch)
         with contextlib.suppress(Exception):  # the recorder will find it out
@@ -157,8 +159,8 @@ class SnapshotService:
         self.recorder.invalidate(reason)
         self._say()
 
-    def _record(self, batch: Any) -> None:
-        self.recorder.record(batch)
+    def _record(self, batch: Any, keep_gil: bool = False) -> None:
+        self.recorder.record(batch, keep_gil)
         if self.recorder.valid != self._was_valid:
             self._say()
 

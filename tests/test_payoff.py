@@ -201,6 +201,72 @@ def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, monkey
     assert st.events_sent < st.events_in
 
 
+@pytest.mark.parametrize("near_budget", [True, False])
+def test_near_its_budget_the_recorder_keeps_the_gil(pubs, make_sub, monkeypatch, near_budget):
+    """With snapshots on, what a whole send sent is recorded with the GIL kept (the
+    C recorder's ``keep_gil``), and only there: the engine waits for both."""
+    import coalesce._recorder as recorder
+    import coalesce._sender as sender
+
+    if recorder._accel is None:
+        pytest.skip("the C recorder is not built")
+    kept: list[tuple[int, bool]] = []
+    real = recorder._CRecorder.record
+
+    def spy(self: Any, batch: Any, keep_gil: bool = False) -> None:
+        kept.append((len(batch.events), keep_gil))
+        real(self, batch, keep_gil)
+
+    monkeypatch.setattr(recorder._CRecorder, "record", spy)
+    batches = [chain(1000, 600), chain(5000, 600)] + [offload_batch(i) for i in range(4)]
+    behind = sum(len(b.events) for b in batches[1:])
+    budget = int(behind / sender.WHOLE_FROM) + (-1 if near_budget else 1)
+    run_held(
+        pubs,
+        make_sub,
+        monkeypatch,
+        True,
+        batches,
+        max_events_per_step=64,
+        max_pending_events=budget,
+        snapshot_endpoint=inproc("snap"),
+    )
+    first = len(batches[0].events) + len(batches[1].events)
+    if near_budget:  # the two folded, recorded as one with the GIL kept; later not
+        assert kept[0] == (first, True) and not any(k for _, k in kept[1:])
+    else:
+        assert kept and not any(k for _, k in kept)
+
+
+@pytest.mark.parametrize("near_budget", [True, False])
+def test_a_refused_batch_is_recorded_as_a_whole_send_would_be(pubs, monkeypatch, near_budget):
+    """The recorder is given what the budget refused at the loss marker: with the
+    GIL kept while more than ``WHOLE_FROM`` of the budget is pending after it."""
+    import coalesce._recorder as recorder
+
+    if recorder._accel is None:
+        pytest.skip("the C recorder is not built")
+    kept: list[tuple[int, bool]] = []
+    real = recorder._CRecorder.record
+
+    def spy(self: Any, batch: Any, keep_gil: bool = False) -> None:
+        kept.append((len(batch.events), keep_gil))
+        real(self, batch, keep_gil)
+
+    monkeypatch.setattr(recorder._CRecorder, "record", spy)
+    first, refused = chain(1000, 60), chain(2000, 640)  # 90 and 960 events
+    after = chain(5000, 370 if near_budget else 200)  # 555 or 300: fits
+    p = pubs(endpoint=inproc("pub"), max_pending_events=1000, snapshot_endpoint=inproc("snap"))
+    with held(p):
+        assert p.publish(first) is PublishOutcome.QUEUED
+        assert p.publish(refused) is PublishOutcome.DROPPED
+        assert p.publish(after) is PublishOutcome.QUEUED
+    assert p.flush(10)
+    assert p.stats().batches_dropped == 1
+    assert (len(refused.events), near_budget) in kept
+    assert (len(refused.events), not near_budget) not in kept
+
+
 def test_sends_whole_past_its_share_of_the_budget_growing_or_not():
     from coalesce._sender import PRESSURE_FROM, WHOLE_FROM, sends_whole
 
