@@ -175,10 +175,12 @@ def test_a_batch_larger_than_a_window_is_compacted_in_parts_while_that_pays(
         assert received[0] == batches[0] and st.events_sent == st.events_in
 
 
-@pytest.mark.parametrize("near_budget", [True, False])
-def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, monkeypatch, near_budget):
-    """The rules pay, but more than ``WHOLE_FROM`` of the budget is pending: one
-    encode of the batch and the next one waiting paces the engine."""
+def run_at_the_edge(
+    pubs: Any, make_sub: Any, monkeypatch: Any, near_budget: bool, **kw: Any
+) -> tuple[list[Any], Any, list[Any]]:
+    """:func:`run_held` (the rules forced to pay) on two big batches and four small
+    ones, the budget set so that once the first is taken, just more
+    (``near_budget``) or just less than ``WHOLE_FROM`` of it is pending."""
     import coalesce._sender as sender
 
     batches = [chain(1000, 600), chain(5000, 600)] + [offload_batch(i) for i in range(4)]
@@ -192,7 +194,16 @@ def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, monkey
         batches,
         max_events_per_step=64,
         max_pending_events=budget,
+        **kw,
     )
+    return batches, st, received
+
+
+@pytest.mark.parametrize("near_budget", [True, False])
+def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, monkeypatch, near_budget):
+    """The rules pay, but more than ``WHOLE_FROM`` of the budget is pending: one
+    encode of the batch and the next one waiting paces the engine."""
+    batches, st, received = run_at_the_edge(pubs, make_sub, monkeypatch, near_budget)
     if near_budget:  # the first two folded, as they were; the rest under WHOLE_FROM
         assert received[0].events == batches[0].events + batches[1].events
         assert sum(len(r.events) for r in received[1:]) <= len(batches[2:])
@@ -201,12 +212,10 @@ def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, monkey
     assert st.events_sent < st.events_in
 
 
-@pytest.mark.parametrize("near_budget", [True, False])
-def test_near_its_budget_the_recorder_keeps_the_gil(pubs, make_sub, monkeypatch, near_budget):
-    """With snapshots on, what a whole send sent is recorded with the GIL kept (the
-    C recorder's ``keep_gil``), and only there: the engine waits for both."""
+def spy_on_the_recorder(monkeypatch: Any) -> list[tuple[int, bool]]:
+    """Every C recorder's record() call from now on, as (events, keep_gil); each
+    still records (the real method is called).  Skips without the C recorder."""
     import coalesce._recorder as recorder
-    import coalesce._sender as sender
 
     if recorder._accel is None:
         pytest.skip("the C recorder is not built")
@@ -218,18 +227,16 @@ def test_near_its_budget_the_recorder_keeps_the_gil(pubs, make_sub, monkeypatch,
         real(self, batch, keep_gil)
 
     monkeypatch.setattr(recorder._CRecorder, "record", spy)
-    batches = [chain(1000, 600), chain(5000, 600)] + [offload_batch(i) for i in range(4)]
-    behind = sum(len(b.events) for b in batches[1:])
-    budget = int(behind / sender.WHOLE_FROM) + (-1 if near_budget else 1)
-    run_held(
-        pubs,
-        make_sub,
-        monkeypatch,
-        True,
-        batches,
-        max_events_per_step=64,
-        max_pending_events=budget,
-        snapshot_endpoint=inproc("snap"),
+    return kept
+
+
+@pytest.mark.parametrize("near_budget", [True, False])
+def test_near_its_budget_the_recorder_keeps_the_gil(pubs, make_sub, monkeypatch, near_budget):
+    """With snapshots on, what a whole send sent is recorded with the GIL kept (the
+    C recorder's ``keep_gil``), and only there: the engine waits for both."""
+    kept = spy_on_the_recorder(monkeypatch)
+    batches, _, _ = run_at_the_edge(
+        pubs, make_sub, monkeypatch, near_budget, snapshot_endpoint=inproc("snap")
     )
     first = len(batches[0].events) + len(batches[1].events)
     if near_budget:  # the two folded, recorded as one with the GIL kept; later not
@@ -242,18 +249,7 @@ def test_near_its_budget_the_recorder_keeps_the_gil(pubs, make_sub, monkeypatch,
 def test_a_refused_batch_is_recorded_as_a_whole_send_would_be(pubs, monkeypatch, near_budget):
     """The recorder is given what the budget refused at the loss marker: with the
     GIL kept while more than ``WHOLE_FROM`` of the budget is pending after it."""
-    import coalesce._recorder as recorder
-
-    if recorder._accel is None:
-        pytest.skip("the C recorder is not built")
-    kept: list[tuple[int, bool]] = []
-    real = recorder._CRecorder.record
-
-    def spy(self: Any, batch: Any, keep_gil: bool = False) -> None:
-        kept.append((len(batch.events), keep_gil))
-        real(self, batch, keep_gil)
-
-    monkeypatch.setattr(recorder._CRecorder, "record", spy)
+    kept = spy_on_the_recorder(monkeypatch)
     first, refused = chain(1000, 60), chain(2000, 640)  # 90 and 960 events
     after = chain(5000, 370 if near_budget else 200)  # 555 or 300: fits
     p = pubs(endpoint=inproc("pub"), max_pending_events=1000, snapshot_endpoint=inproc("snap"))
