@@ -600,7 +600,7 @@ class Sender:
                 self._lost(item)
                 return
             assert isinstance(item, tuple)
-            near = self._sends_whole()  # once taken: what a whole send decides by
+            near = self._keeps_gil()  # once taken, as a whole send decides
             self._send_taken(item[0], item[1])
             self._record_sent([item[0]], near)
             return
@@ -619,7 +619,7 @@ class Sender:
         if on_bytes:  # records and finishes it itself
             self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
         else:
-            near = self._sends_whole()  # once taken: what a whole send decides by
+            near = self._keeps_gil()  # once taken, as a whole send decides
             self._record_sent(self._send_object_window(window, level, step, rules), near)
             self.done += len(window)
         self._in_flight = (0, 0)
@@ -708,15 +708,20 @@ class Sender:
 
     def _finished(self, batches: list[Any], window: int) -> None:
         """A window's message is out: the recorder sees its batches; it is done."""
-        self._record_sent(batches, self._sends_whole())
+        self._record_sent(batches, self._keeps_gil())
         self.done += window
 
+    def _keeps_gil(self) -> bool:
+        """Whether the recorder keeps the GIL for what is sent (or refused) now:
+        snapshots on and :func:`sends_whole`.  Handing it over there let the
+        engine publish between the sender's turns faster than they drained.
+        O(1)."""
+        return self._record is not None and self._sends_whole()
+
     def _record_sent(self, batches: list[Any], keep_gil: bool) -> None:
-        """The recorder (if snapshots are on) sees ``batches``, just sent.  Taken
-        near the event budget (``keep_gil``: :func:`sends_whole`), they are recorded
-        with the GIL kept throughout, as the whole send before did: handing it
-        over there let the engine publish between the sender's turns faster than
-        they drained.  O(hashes)."""
+        """The recorder (if snapshots are on) sees ``batches``, just sent, with the
+        GIL kept throughout if ``keep_gil`` (:meth:`_keeps_gil` when they were
+        taken).  O(hashes)."""
         record = self._record
         if record is None:
             return
@@ -891,7 +896,7 @@ class Sender:
             return
         snapshot = self.snapshot
         if snapshot is not None:
-            keep_gil = self._sends_whole()  # as _record_sent: a loss is at the budget
+            keep_gil = self._keeps_gil()  # as _record_sent: a loss is at the budget
             for b in marker.refused or ():
                 snapshot.record(b, keep_gil)
             if marker.overflow:
