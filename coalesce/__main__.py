@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=None,
         help="size bursts to this multiple of what vLLM's publisher drains per step, "
-        "measured at start (default: the largest coalesce's event budget absorbs)",
+        "measured at start (default: 1,600,000 events per burst, 40%% of coalesce's event budget)",
     )
     d.add_argument(
         "--no-sizing",

@@ -100,8 +100,10 @@ class Settings:
     recorder live: ``thread``, the sender thread in the engine's process; ``process``,
     a coalescer process of their own (the engine's process only encodes; tcp and ipc
     endpoints, not with ``move_events``)."""
-    max_pending_events: int = _knob(2_000_000, _positive_int)
-    """Memory budget: events published but not yet sent, beyond which publish() drops."""
+    max_pending_events: int = _knob(4_000_000, _positive_int)
+    """Memory budget: events published but not yet sent, beyond which publish() drops.
+    At the default, a backlog near it held about half the memory vLLM's own queue
+    held at ``max_queue_size=100`` in the same runs (docs/backpressure.md)."""
     max_events_per_step: int = _knob(512, _positive_int)
     """Events one compaction step takes (bounds each GIL hold of the sender); a rules
     window takes up to 4x as many while the rest of the sender's GIL slice holds them
