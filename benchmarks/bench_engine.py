@@ -14,6 +14,15 @@ loop's wall time over stock's in the same round; ``publish()`` percentiles
 are of every call of the round (medians over rounds).  ``stock blocked``: the
 most calls in a round that found vLLM's queue full (its ``publish()`` waited).
 
+``--pin`` gives the engine thread a core of its own (Linux): the publisher's
+threads (its sender, ZeroMQ's I/O thread) and the reader process are started
+pinned to the last core, then the engine thread moves to the first, so it
+never waits for a core (as on a server with cores to spare); a wake then
+always crosses cores.  ``--floor`` adds two rows with no sender at all: an
+empty ``publish()`` method, and one that only releases a lock a sleeping
+thread waits on (what ``CoalescingPublisher.publish()`` does to wake its
+idle sender): what the loop, the call and the wake cost on this machine.
+
     .venv-vllm/bin/python benchmarks/bench_engine.py   # against the real vLLM class
 """
 
@@ -26,7 +35,9 @@ import platform
 import socket
 import statistics
 import sys
+import threading
 import time
+import types
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -37,13 +48,64 @@ from coalesce import CoalescingPublisher
 from coalesce._baselines import REAL_VLLM, StockPublisher
 
 KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
+FLOORS = ("floor: call", "floor: wake")
+
+
+class _Floor:
+    """A stand-in publisher for the floor rows (``--floor``): ``publish()`` is an
+    empty method call, or (``wake``) one lock release that wakes a thread asleep
+    on it, as ``CoalescingPublisher.publish()`` wakes its idle sender.  Nothing
+    is sent: the rows show what the loop and a call cost on this machine."""
+
+    def __init__(self, wake: bool) -> None:
+        self._bell = threading.Lock()
+        self._bell.acquire()
+        self._stop = False
+        self._thread = threading.Thread(target=self._sleeper, daemon=True) if wake else None
+        if self._thread is not None:
+            self._thread.start()
+            self.publish = self._ring  # type: ignore[method-assign]
+
+    def _sleeper(self) -> None:
+        while not self._stop:
+            self._bell.acquire(timeout=0.005)
+
+    def _ring(self, batch: Any) -> None:
+        try:  # noqa: SIM105 - the same code as the sender's wake()
+            self._bell.release()
+        except RuntimeError:  # already rung
+            pass
+
+    def publish(self, batch: Any) -> None:
+        pass
+
+    def flush(self, timeout: float) -> bool:
+        return True
+
+    def stats(self) -> Any:
+        return types.SimpleNamespace(batches_dropped=0)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        if self._thread is not None:
+            self._ring(None)
+            self._thread.join()
+
+
+def _pin(cpu: int | None) -> None:
+    """Pin the calling thread (threads and processes it starts inherit it)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread, on Linux
 
 
 def one_run(
-    kind: str, blocks: int, steps: int, cpu_us: float, gpu_us: float
+    kind: str, blocks: int, steps: int, cpu_us: float, gpu_us: float, pin: bool = False
 ) -> tuple[float, float, float, int]:
     """(loop seconds, p50 us, p99 us, calls that found vLLM's queue full) of one
     engine loop with ``kind``'s publisher."""
+    everyone = os.sched_getaffinity(0) if pin else set()  # (Linux only)
+    engine_cpu, rest_cpu = (min(everyone), max(everyone)) if pin else (None, None)
+    _pin(rest_cpu)  # the publisher's threads and the reader start here
     batches = [make_batch(i, blocks) for i in range(steps)]
     for b in batches:
         b.data_parallel_rank = None
@@ -57,6 +119,8 @@ def one_run(
     pub: Any
     if kind == "stock":
         pub = StockPublisher(0, endpoint=endpoint, max_queue_size=100)
+    elif kind in FLOORS:
+        pub = _Floor(wake=kind == "floor: wake")
     else:
         pub = CoalescingPublisher(
             0,
@@ -67,6 +131,7 @@ def one_run(
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
+    _pin(engine_cpu)
     lat: list[int] = []
     clock = time.perf_counter_ns
     gpu = gpu_us / 1e6
@@ -91,6 +156,8 @@ def one_run(
     pub.shutdown()
     stop_reader(reader)
     gc.unfreeze()
+    if pin:
+        os.sched_setaffinity(0, everyone)
     lat.sort()
     return wall, lat[len(lat) // 2] / 1e3, lat[len(lat) * 99 // 100] / 1e3, blocked
 
@@ -102,8 +169,18 @@ def main() -> None:
     ap.add_argument("--cpu-us", type=float, default=50.0)
     ap.add_argument("--gpu-us", type=float, default=100.0)
     ap.add_argument("--only", action="append", choices=KINDS[1:], help="coalesce kinds to run")
+    ap.add_argument(
+        "--pin", action="store_true", help="the engine thread on a core of its own (Linux)"
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="add rows for an empty publish() and for a bare wake (this machine's floor)",
+    )
     args = ap.parse_args()
-    kinds = ("stock", *(args.only or KINDS[1:]))
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        ap.error("--pin needs at least two cores")
+    kinds = ("stock", *(args.only or KINDS[1:]), *(FLOORS if args.floor else ()))
     rate = drain_rate(37)
     gpu_eff = effective_sleep(args.gpu_us)
     print(
@@ -111,7 +188,8 @@ def main() -> None:
         f"{os.cpu_count()} cores, Python {platform.python_version()}; stock publisher: "
         f"{'real vLLM' if REAL_VLLM else 're-implementation'}; {args.steps} steps of "
         f"{args.cpu_us:.0f} us CPU + a {args.gpu_us:.0f} us GPU wait ({gpu_eff * 1e6:.0f} us "
-        f"effective); medians of {args.rounds} alternated rounds\n"
+        f"effective); medians of {args.rounds} alternated rounds"
+        f"{'; engine thread pinned to a core of its own' if args.pin else ''}\n"
     )
     print(
         "| events/step | load | publisher | loop ms | engine vs stock | p50 us | p99 us "
@@ -124,7 +202,9 @@ def main() -> None:
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
-                runs[kind].append(one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us))
+                runs[kind].append(
+                    one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin)
+                )
             for kind in kinds:
                 ratios[kind].append(runs[kind][-1][0] / runs["stock"][-1][0])
         for kind in kinds:
