@@ -20,14 +20,28 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "coalesce", *args]
 
 
+def popen_as_from_a_terminal(args: list[str]) -> subprocess.Popen[str]:
+    """Start ``args`` with SIGINT at its default, as a shell in a terminal would.
+
+    A background job of a non-interactive shell (``cmd &``, how some CI
+    runners start their scripts) ignores SIGINT, and an ignored signal stays
+    ignored across exec: Python then installs no KeyboardInterrupt handler and
+    Ctrl-C never reaches the CLI.  A handler, unlike an ignore, is reset to
+    the default by exec, so the child is started while this (main) thread has
+    one.
+    """
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
     port = free_port()
     pub = CoalescingPublisher(endpoint=f"tcp://*:{port}", compaction=False)
-    proc = subprocess.Popen(
-        cli("subscribe", f"tcp://127.0.0.1:{port}", "--json", "--seconds", "60"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = popen_as_from_a_terminal(
+        cli("subscribe", f"tcp://127.0.0.1:{port}", "--json", "--seconds", "60")
     )
     try:
         assert proc.stdout is not None
