@@ -10,7 +10,9 @@ shows live counters or one JSON line per batch.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -47,6 +49,10 @@ def _quiet_hint(endpoints: list[str], bind: bool, after: float) -> str:
     )
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def subscribe(
     endpoints: list[str],
     replays: list[str],
@@ -57,7 +63,8 @@ def subscribe(
     warn_after: float = 5.0,
     snapshots: list[str] | None = None,
 ) -> int:
-    """Follow publishers; print live counters (or JSON lines); a summary on Ctrl-C."""
+    """Follow publishers; print live counters (or JSON lines); a summary on Ctrl-C
+    or SIGTERM (``kill``, a service manager, a container's stop)."""
     from coalesce.subscriber import Source, Subscriber
 
     if replays and len(replays) != len(endpoints):
@@ -88,6 +95,9 @@ def subscribe(
     start = time.monotonic()
     deadline = None if seconds is None else start + seconds
     warned = False
+    on_term = None
+    if threading.current_thread() is threading.main_thread():  # (signals go to it only)
+        on_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         while deadline is None or time.monotonic() < deadline:
             sub.poll(0.2)
@@ -115,6 +125,8 @@ def subscribe(
         pass
     finally:
         sub.close()
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     print("" if as_json else "\n", end="")
     print(msgspec.json.encode({"summary": sub.summary()}).decode(), flush=True)
     return 0

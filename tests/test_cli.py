@@ -37,7 +37,8 @@ def popen_as_from_a_terminal(args: list[str]) -> subprocess.Popen[str]:
         signal.signal(signal.SIGINT, before)
 
 
-def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_subscribe_json_lines_then_a_summary_when_stopped(stop):
     port = free_port()
     pub = CoalescingPublisher(endpoint=f"tcp://*:{port}", compaction=False)
     proc = popen_as_from_a_terminal(
@@ -58,7 +59,7 @@ def test_subscribe_json_lines_then_a_summary_on_ctrl_c():
                 first = json.loads(proc.stdout.readline())
         assert first["events"][0]["type"] == "BlockStored"
         assert first["source"] == f"tcp://127.0.0.1:{port}"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
