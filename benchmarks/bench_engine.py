@@ -46,6 +46,7 @@ from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
 from coalesce._baselines import REAL_VLLM, StockPublisher
+from coalesce._sender import IDLE_POLL
 
 KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
 FLOORS = ("floor: call", "floor: wake")
@@ -68,7 +69,7 @@ class _Floor:
 
     def _sleeper(self) -> None:
         while not self._stop:
-            self._bell.acquire(timeout=0.005)
+            self._bell.acquire(timeout=IDLE_POLL)  # as the idle sender sleeps
 
     def _ring(self, batch: Any) -> None:
         try:  # noqa: SIM105 - the same code as the sender's wake()
