@@ -35,7 +35,7 @@ test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
 
 lint: $(STAMP)            ## ruff + mypy --strict
-	$(BIN)/ruff check coalesce tests tests_vllm benchmarks
+	$(BIN)/ruff check coalesce coalesce_tools tests tests_vllm benchmarks
 	$(BIN)/mypy
 
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer

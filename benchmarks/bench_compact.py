@@ -53,7 +53,7 @@ from coalesce import compactor
 from coalesce._payoff import Payoff
 from coalesce._sender import folding_pays
 from coalesce.events import KVEventBatch
-from coalesce.workload import Engine, WorkloadConfig
+from coalesce_tools.workload import Engine, WorkloadConfig
 
 Window = list[Any]
 

@@ -39,7 +39,7 @@ from _reader import start_reader, stop_reader
 from bench_publish import make_batch
 
 from coalesce import CoalescingPublisher
-from coalesce._baselines import REAL_VLLM, StockPublisher
+from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 
 PAYLOAD = "coalesce, payload rules"
 PROCESS = "coalesce, process"

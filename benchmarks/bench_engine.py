@@ -45,8 +45,8 @@ from _reader import start_reader, stop_reader
 from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
-from coalesce._baselines import REAL_VLLM, StockPublisher
 from coalesce._sender import IDLE_POLL
+from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 
 KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
 FLOORS = ("floor: call", "floor: wake")

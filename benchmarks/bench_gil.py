@@ -53,10 +53,10 @@ def child(requests: int) -> None:
     import time
 
     import coalesce._sender as sender_module
-    from coalesce.demo import _spin_until
     from coalesce.events import KVEventBatch
     from coalesce.publisher import CoalescingPublisher, PublishOutcome
-    from coalesce.workload import Engine
+    from coalesce_tools.demo import spin_until
+    from coalesce_tools.workload import Engine
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_overload import sweep_config
@@ -85,7 +85,7 @@ def child(requests: int) -> None:
     dropped = 0
     start = time.perf_counter()
     for events in steps:
-        _spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
+        spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
         if pub.publish(KVEventBatch(ts=0.0, events=events)) is PublishOutcome.DROPPED:
             dropped += 1
         time.sleep(cfg.step_gpu_us / 1e6)

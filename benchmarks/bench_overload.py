@@ -2,7 +2,7 @@
 
 Run: ``.venv-vllm/bin/python benchmarks/bench_overload.py`` (real vLLM
 publisher) or ``.venv/bin/python benchmarks/bench_overload.py`` (its
-re-implementation).  Each cell is a run of ``coalesce.demo.run_publisher``
+re-implementation).  Each cell is a run of ``coalesce_tools.demo.run_publisher``
 (one engine process, one subscriber process with replay) on the seeded
 offload workload; the overload factor sets the burst size.  ``--only`` picks
 publishers; ``--runs N`` alternates them N times per load (medians; counts
@@ -21,14 +21,14 @@ import statistics
 from dataclasses import replace
 from typing import Any
 
-from coalesce.demo import (
+from coalesce_tools.demo import (
     KINDS,
     PUBLISHERS,
     events_per_request,
     run_publisher,
     stock_capacity_per_step,
 )
-from coalesce.workload import WorkloadConfig
+from coalesce_tools.workload import WorkloadConfig
 
 
 def sweep_config(**overrides: Any) -> WorkloadConfig:
@@ -65,7 +65,7 @@ def main() -> None:
     cap = stock_capacity_per_step(base)
     n = base.batch_events
     shape = f"batches of at most {n} events" if n else "one batch per step"
-    from coalesce._baselines import REAL_VLLM
+    from coalesce_tools.baselines import REAL_VLLM
 
     print(
         f"# overload sweep\n\nmachine: {platform.machine()}, {os.cpu_count()} cores, "

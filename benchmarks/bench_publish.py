@@ -29,8 +29,8 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
 from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
-from coalesce._baselines import REAL_VLLM, DropPublisher, StockPublisher
 from coalesce.compactor import compact
+from coalesce_tools.baselines import REAL_VLLM, DropPublisher, StockPublisher
 
 if REAL_VLLM:
     from vllm.distributed import kv_events as vk

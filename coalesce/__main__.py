@@ -3,8 +3,9 @@
 ``coalesce demo`` runs vLLM's stock publisher, the drop-on-full variant and
 ``coalesce`` under the same seeded offload workload, each rank in its own
 process with a real subscriber in another, and prints one table
-(see :mod:`coalesce.demo`).  ``coalesce subscribe`` follows publishers and
-shows live counters or one JSON line per batch.
+(:mod:`coalesce_tools.demo`, imported only for that command).
+``coalesce subscribe`` follows publishers and shows live counters or one JSON
+line per batch.
 """
 
 from __future__ import annotations
@@ -15,13 +16,9 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import msgspec
-
-from coalesce.demo import KINDS, PUBLISHERS, QUEUE, run_demo
-from coalesce.workload import WorkloadConfig
 
 DESCRIPTION = "kv-coalesce: the seed-scenario demo, and a subscriber for KV-event streams."
 SUBSCRIBE_EPILOG = """examples:
@@ -135,55 +132,11 @@ def subscribe(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="coalesce", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="the seed scenario: vLLM's publisher, the drop fix and ours")
-    defaults = WorkloadConfig()
-    d.add_argument("--ranks", type=int, default=defaults.ranks, help="DP ranks (processes)")
-    d.add_argument("--steps", type=int, default=defaults.steps, help="engine steps per rank")
-    d.add_argument(
-        "--cpu-us",
-        type=float,
-        default=defaults.step_cpu_us,
-        help="engine CPU time per step, GIL held",
+    sub.add_parser(
+        "demo",
+        help="the seed scenario: vLLM's publisher, the drop fix and ours (coalesce demo --help)",
+        add_help=False,
     )
-    d.add_argument(
-        "--gpu-us", type=float, default=defaults.step_gpu_us, help="GPU wait per step, GIL released"
-    )
-    d.add_argument(
-        "--burst-every", type=int, default=defaults.burst_every, help="steps between bursts"
-    )
-    d.add_argument(
-        "--burst-length", type=int, default=defaults.burst_length, help="steps each burst lasts"
-    )
-    d.add_argument(
-        "--burst-requests",
-        type=int,
-        default=defaults.burst_requests,
-        help="long unique prompts per burst step (with --no-sizing; else sized)",
-    )
-    d.add_argument(
-        "--batch-events",
-        type=int,
-        default=defaults.batch_events,
-        help="publish each step as batches of at most this many events (0: one batch per "
-        "step; e.g. 20 for the upstream report's thousands of small batches)",
-    )
-    d.add_argument(
-        "--queue", type=int, default=QUEUE, help=f"max_queue_size for all publishers ({QUEUE})"
-    )
-    d.add_argument(
-        "--load",
-        type=float,
-        default=None,
-        help="size bursts to this multiple of what vLLM's publisher drains per step, "
-        "measured at start (default: 1,600,000 events per burst, 40%% of coalesce's event budget)",
-    )
-    d.add_argument(
-        "--no-sizing",
-        action="store_true",
-        help="use --burst-requests as given (no measurement)",
-    )
-    d.add_argument("--out", default="results", help="where demo.json and demo.png go")
-    d.add_argument("--only", choices=KINDS, action="append", help="run only these")
     s = sub.add_parser(
         "subscribe",
         help="follow publishers: live counters, or JSON lines",
@@ -213,45 +166,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=5.0,
         help="seconds with nothing received before saying why that may be (default 5)",
     )
-    args = parser.parse_args(argv)
-    if args.command == "subscribe":
-        return subscribe(
-            args.endpoint,
-            args.replay,
-            args.topic,
-            args.json,
-            args.seconds,
-            bind=args.bind,
-            warn_after=args.warn_after,
-            snapshots=args.snapshot,
-        )
-    try:
-        cfg = replace(
-            WorkloadConfig(),
-            ranks=args.ranks,
-            steps=args.steps,
-            step_cpu_us=args.cpu_us,
-            step_gpu_us=args.gpu_us,
-            burst_every=args.burst_every,
-            burst_length=args.burst_length,
-            burst_requests=args.burst_requests,
-            batch_events=args.batch_events,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    results = run_demo(
-        cfg,
-        queue=args.queue,
-        outdir=args.out,
-        publishers=tuple(args.only or PUBLISHERS),
-        size=not args.no_sizing,
-        load=args.load,
-    )
-    # coalesce's promise, whatever the machine: no silent divergence, and a wrong
-    # index is a known one (the subscriber reset that rank)
-    ours = [r for r in results if r.publisher == "coalesce"]
-    return 0 if all(r.silent == 0 and (r.missing + r.stale == 0 or r.resets) for r in ours) else 1
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:  # the demo's tools load only when asked for
+        from coalesce_tools.cli import demo_main
 
+        return demo_main(args_list[1:])
+    args = parser.parse_args(args_list)
+    return subscribe(
+        args.endpoint,
+        args.replay,
+        args.topic,
+        args.json,
+        args.seconds,
+        bind=args.bind,
+        warn_after=args.warn_after,
+        snapshots=args.snapshot,
+    )
 
 if __name__ == "__main__":
     sys.exit(main())

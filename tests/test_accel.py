@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from coalesce import compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from coalesce.workload import Engine, WorkloadConfig
+from coalesce_tools.workload import Engine, WorkloadConfig
 from tests.streams import batch_lists
 
 if compactor._accel is None:

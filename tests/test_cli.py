@@ -170,8 +170,8 @@ def test_bursts_are_sized_to_a_fixed_bound_and_the_drain_rate_is_measured():
     from dataclasses import replace
 
     from coalesce._settings import Settings
-    from coalesce.demo import BURST_EVENTS, size_bursts
-    from coalesce.workload import WorkloadConfig
+    from coalesce_tools.demo import BURST_EVENTS, size_bursts
+    from coalesce_tools.workload import WorkloadConfig
 
     small = replace(
         WorkloadConfig(),
@@ -217,3 +217,24 @@ def test_subscribe_with_a_snapshot_gets_what_was_cached_before_it_started():
     summary = json.loads(run.stdout.strip().splitlines()[-1])["summary"]
     assert summary["snapshots"] == 1 and summary["resets"] == 0
     assert summary["index_size"] == 100
+
+
+@pytest.mark.parametrize(
+    "entry", ["coalesce.__main__", "coalesce.subscriber", "coalesce.vllm_plugin", "coalesce"]
+)
+def test_the_production_entry_points_load_none_of_the_tools(entry):
+    """``coalesce subscribe`` and the plugin run in production: the demo, its engine
+    model and the baselines (``coalesce_tools``) stay out of their processes."""
+    code = (
+        f"import sys, {entry}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'coalesce_tools'))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_demo_help_comes_from_the_tools_package():
+    run = subprocess.run(cli("demo", "--help"), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: coalesce demo") and "--ranks" in run.stdout

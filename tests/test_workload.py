@@ -9,7 +9,7 @@ import pytest
 from coalesce import KVEventBatch
 from coalesce.compactor import compact
 from coalesce.refmodel import SubscriberModel
-from coalesce.workload import Engine, WorkloadConfig
+from coalesce_tools.workload import Engine, WorkloadConfig
 
 SMALL = replace(
     WorkloadConfig(),

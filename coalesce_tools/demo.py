@@ -2,7 +2,7 @@
 
 For each publisher in turn (vLLM's stock ``ZmqEventPublisher``, the upstream
 drop-on-full variant, and ``coalesce``), :func:`run_publisher` starts one
-engine process per DP rank (:mod:`coalesce.workload`, publishing over tcp
+engine process per DP rank (:mod:`coalesce_tools.workload`, publishing over tcp
 loopback) and one subscriber process (:class:`coalesce.subscriber.Subscriber`,
 with replay where the publisher offers it) that keeps an index of every
 rank.  At the end the subscriber's index is compared with each engine's true
@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from coalesce.workload import WorkloadConfig
+from coalesce_tools.workload import WorkloadConfig
 
 __all__ = [
     "KINDS",
@@ -127,7 +127,7 @@ def events_per_request(cfg: WorkloadConfig) -> int:
 
 def _steady_bursts(cfg: WorkloadConfig, steps: int) -> list[list[Any]]:
     """``steps`` burst steps' events, after the first burst has filled the pools."""
-    from coalesce.workload import Engine
+    from coalesce_tools.workload import Engine
 
     engine = Engine(replace(cfg, steps=steps + 1, burst_every=1, burst_length=1), 0)
     engine.step()
@@ -159,8 +159,8 @@ def stock_drain_per_step(cfg: WorkloadConfig, steps: int = 120) -> float:
     this counts the GIL the sender also takes from the engine's Python work at
     CPython's forced switches, which is what the demo's publishers get.
     """
-    from coalesce._baselines import StockPublisher
     from coalesce.events import KVEventBatch
+    from coalesce_tools.baselines import StockPublisher
 
     per_step = [cfg.split(events) for events in _steady_bursts(cfg, steps)]
     published = [len(b) for chunks in per_step for b in chunks]
@@ -169,7 +169,7 @@ def stock_drain_per_step(cfg: WorkloadConfig, steps: int = 120) -> float:
     try:
         start = time.perf_counter()
         for chunks in per_step:
-            _spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
+            spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
             for events in chunks:
                 pub.publish(KVEventBatch(ts=0.0, events=events))
             time.sleep(cfg.step_gpu_us / 1e6)
@@ -238,7 +238,7 @@ def _make_publisher(
             snapshot_endpoint=snap,
             coalescer="process" if kind == "coalesce+proc" else None,
         )
-    from coalesce._baselines import REAL_VLLM, DropPublisher, StockPublisher
+    from coalesce_tools.baselines import REAL_VLLM, DropPublisher, StockPublisher
 
     cls = StockPublisher if kind == "stock" else DropPublisher
     kw: dict[str, Any] = {"endpoint": endpoint, "max_queue_size": queue}
@@ -254,7 +254,7 @@ def _backlog(pub: Any) -> int:
     return int(pub._event_queue.qsize())
 
 
-def _spin_until(t: float) -> None:
+def spin_until(t: float) -> None:
     while time.perf_counter() < t:
         pass
 
@@ -290,7 +290,7 @@ def _engine_main(
 
     from coalesce.events import KVEventBatch
     from coalesce.publisher import PublishOutcome
-    from coalesce.workload import Engine
+    from coalesce_tools.workload import Engine
 
     # The table reports every drop; the publishers' own warnings would only land
     # in the middle of the progress line.
@@ -317,7 +317,7 @@ def _engine_main(
     worst = 0
     start = time.perf_counter()
     for step, chunks in enumerate(steps):
-        _spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
+        spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
         for events in chunks:
             dropped_before = getattr(pub, "dropped", 0)
             if vllm_queue is not None and vllm_queue.full():  # publish() will wait
@@ -423,7 +423,7 @@ def run_publisher(
     kind: str, cfg: WorkloadConfig, queue: int = QUEUE, show_progress: bool = True
 ) -> PublisherResult:
     """Run one publisher kind under the workload; return what it did and what subscribers saw."""
-    from coalesce._baselines import REAL_VLLM
+    from coalesce_tools.baselines import REAL_VLLM
 
     ctx = mp.get_context("spawn")
     ports = _free_ports(3 * cfg.ranks)
