@@ -1907,7 +1907,11 @@ static PyObject *cc_compact_payload(PyObject *self, PyObject *args) {
     RResult res;
     size_t out_len = 0;
     /* `payload` is immutable, and the caller's reference keeps it alive */
-    PyThreadState *ts = (Py_ssize_t)len >= release_at ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = NULL;
+    if ((Py_ssize_t)len >= release_at) {
+        cs_gil_releases_count++;
+        ts = PyEval_SaveThread();
+    }
     int r = run_payload(st, raw, len, &res, &out_len);
     if (ts != NULL) PyEval_RestoreThread(ts);
     PyObject *result = NULL;
@@ -2382,6 +2386,7 @@ done:
 }
 
 static PyMethodDef cc_methods[] = {
+    CSTRUCT_METHODS
     {"all_known", cc_all_known, METH_O, all_known_doc},
     {"register", cc_register, METH_VARARGS, register_doc},
     {"compact_events", cc_compact_events, METH_O, compact_doc},

@@ -829,6 +829,7 @@ static PyObject *State_record(State *st, PyObject *args) {
     int result;
     if (release_at > 0 && st->hv_len >= release_at) {
         st->nogil = 1;
+        cs_gil_releases_count++;
         Py_BEGIN_ALLOW_THREADS
         result = apply_ops(st, max_blocks);
         Py_END_ALLOW_THREADS
@@ -1284,6 +1285,7 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
 
 static PyMethodDef cr_methods[] = {
     {"register", cr_register, METH_VARARGS, register_doc},
+    CSTRUCT_METHODS
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,11 +31,15 @@ which it is exact again.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
 from typing import Any, ClassVar, TypeAlias
 
+import msgspec
+
+from coalesce import _layout
 from coalesce._env import NO_ACCEL, switched_on
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 
@@ -51,6 +55,13 @@ try:
 
     _accel = _crecord
 except ImportError:
+    _accel = None
+if _accel is not None and (_why := _layout.layout_problem(_accel)) is not None:
+    logging.getLogger("coalesce").warning(
+        "kv-coalesce: the C recorder is not used; the recorder runs in Python (msgspec %s): %s",
+        msgspec.__version__,
+        _why,
+    )
     _accel = None
 
 CHUNK_BLOCKS = 256

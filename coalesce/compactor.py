@@ -52,6 +52,7 @@ encoding (``msgspec.Raw``), never built as lists.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -61,6 +62,7 @@ from typing import Any
 
 import msgspec
 
+from coalesce import _layout
 from coalesce._env import NO_ACCEL, switched_on
 from coalesce._kinds import (
     CLEARED,
@@ -84,6 +86,13 @@ try:
 
     _accel = _ccompact
 except ImportError:
+    _accel = None
+if _accel is not None and (_why := _layout.layout_problem(_accel)) is not None:
+    logging.getLogger("coalesce").warning(
+        "kv-coalesce: the C compactor is not used; the same rules run in Python (msgspec %s): %s",
+        msgspec.__version__,
+        _why,
+    )
     _accel = None
 
 __all__ = [

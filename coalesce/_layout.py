@@ -1,0 +1,60 @@
+"""The check, at import, that the C accelerators read objects as they assume.
+
+``_ccompact`` and ``_crecord`` read a msgspec struct's fields straight from
+its slots, at the offsets its member descriptors name, and (on CPython before
+3.12) a block hash's digits straight from the int.  Both are layouts of other
+projects: :func:`layout_problem` runs the modules' own readers (``fields_at``,
+``u64``) on objects whose values it knows, and the caller uses the pure-Python
+code instead when they disagree.  O(fields of the probe objects).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+__all__ = ["layout_problem"]
+
+_HASHES = (0, 1, 2**30 - 1, 2**30, 2**60 + 3, 2**63, 2**64 - 1, 2**64, 2**90, -1)
+"""Block hashes across CPython's digit boundaries, and three that are not u64."""
+
+
+def _probes() -> list[Any]:
+    """One object of each kind the C code reads, every field a distinct object."""
+    stored = BlockStored(
+        block_hashes=[2**63 + 1, 7],
+        parent_block_hash=2**40 + 5,
+        token_ids=[1, 2, 3, 4],
+        block_size=2,
+        lora_id=3,
+        medium="CPU",
+        lora_name="adapter",
+        extra_keys=[("k",), None],
+        group_idx=1,
+    )
+    removed = BlockRemoved(block_hashes=[b"\x01" * 8], medium="GPU", group_idx=2)
+    return [
+        stored,
+        removed,
+        AllBlocksCleared(),
+        KVEventBatch(ts=1.5, events=[stored, removed], data_parallel_rank=4),
+    ]
+
+
+def layout_problem(accel: ModuleType) -> str | None:
+    """Why ``accel`` would misread these objects, or None when it reads them right."""
+    try:
+        for obj in _probes():
+            names: tuple[str, ...] = type(obj).__struct_fields__
+            for name, got in zip(names, accel.fields_at(obj, names), strict=True):
+                if got is not getattr(obj, name):
+                    return f"{type(obj).__name__}.{name} is not at the slot its descriptor names"
+        for h in _HASHES:
+            want = h if 0 <= h < 2**64 else None
+            if accel.u64(h) != want:
+                return f"the block hash {h} reads as {accel.u64(h)}"
+    except Exception as exc:  # a module without the probes, or one that fails them
+        return f"the layout probe failed ({type(exc).__name__}: {exc})"
+    return None
