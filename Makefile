@@ -8,7 +8,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: demo test test-vllm lint bench check-c clean
+.PHONY: demo test test-pure test-vllm lint bench check-c docs clean
 
 # setup.py builds the optional C accelerators in place; a C change reinstalls.
 $(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h
@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coale
 demo: $(STAMP)            ## the main job: a burst through the publisher, with stats
 	$(BIN)/coalesce demo
 
-test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis)
+test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis; CI=1 for the thorough profile)
 	$(BIN)/python -m pytest -q
+
+test-pure: $(STAMP)       ## the test suite with every C accelerator off (the pure-Python fallback)
+	COALESCE_NO_ACCEL=1 COALESCE_REQUIRE_ACCEL= $(BIN)/python -m pytest -q
 
 $(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/vllm-conformance.txt
 	$(PY) -m venv $(VLLM_VENV)
@@ -45,8 +48,12 @@ check-c: $(STAMP)         ## the C accelerators under ASan and UBSan (compaction
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	$(BIN)/python -m pytest -q tests/test_accel.py tests/test_fuzz.py tests/test_compactor.py \
 		tests/test_payload.py tests/test_recorder.py tests/test_crecord.py tests/test_snapshot.py \
+		tests/test_layout.py \
 		tests/test_wire.py; \
 	status=$$?; $(BIN)/python -m pip install -q --no-deps -e .; exit $$status
+
+docs: $(STAMP)            ## regenerate the docs' generated tables (the README's configuration table)
+	$(BIN)/python -m coalesce_tools.docgen
 
 bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmarks.md
 	$(BIN)/python benchmarks/bench_publish.py

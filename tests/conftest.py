@@ -18,11 +18,27 @@ from hypothesis import settings
 
 from coalesce.events import KVEventBatch
 
-# Hypothesis profiles, one for every test module: HYPOTHESIS_PROFILE=dev for quick local
-# runs; CI uses "ci".  Tests that set max_examples themselves keep their own.
+# Hypothesis profiles, one for every test module: "dev" (quick) for a local run, "ci"
+# (thorough) where CI is set, as CI runners do; HYPOTHESIS_PROFILE chooses either.
+# Tests that set max_examples themselves keep their own.
+IN_CI = os.environ.get("CI", "") not in ("", "0", "false")
 settings.register_profile("ci", max_examples=1000, deadline=None)
 settings.register_profile("dev", max_examples=100, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if IN_CI else "dev"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked slow (whole demo runs) run in CI, or locally with ``--slow``."""
+    if IN_CI or config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: runs in CI, or with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 END = b"\xff" * 8
 _names = itertools.count()

@@ -69,6 +69,7 @@ def test_subscribe_json_lines_then_a_summary_when_stopped(stop):
     assert proc.returncode == 0, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_events", [0, 20])
 def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
     run = subprocess.run(

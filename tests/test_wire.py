@@ -133,6 +133,7 @@ def test_forcing_pyzmq_by_environment(monkeypatch) -> None:
     monkeypatch.setenv("COALESCE_PYZMQ_SEND", "1")
     assert _wire._bind_native() is None
     monkeypatch.setenv("COALESCE_PYZMQ_SEND", "0")  # 0: not forced
+    monkeypatch.setattr(_wire, "_NATIVE", [])  # decided anew, in this environment
     assert (_wire._bind_native() is None) == (_wire._native() is None)
     monkeypatch.delenv("COALESCE_PYZMQ_SEND")
     monkeypatch.setenv("COALESCE_NO_ACCEL", "1")
