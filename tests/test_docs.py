@@ -63,3 +63,16 @@ def test_the_knobs_table_lists_every_knob_with_its_variable_and_default() -> Non
             shown = str(int(value)) if isinstance(value, bool) else f"{value:,}"
         assert f.name in rows, f"{f.name} is missing from docs/backpressure.md"
         assert rows[f.name] == (env_name(f.name), shown), f.name
+
+
+def test_the_generated_tables_are_what_the_code_renders_now() -> None:
+    """``make docs`` rewrites them; a knob added, renamed or re-defaulted without it
+    fails here."""
+    from coalesce_tools.docgen import TABLES, render_into
+
+    for path in DOCS:
+        text = path.read_text()
+        assert render_into(text) == text, f"{path.name} is stale: run make docs"
+    readme = (ROOT / "README.md").read_text()
+    for name in TABLES:
+        assert f"<!-- {name}:start -->" in readme, name

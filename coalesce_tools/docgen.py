@@ -1,0 +1,123 @@
+"""Tables in the docs that are generated from the code: ``make docs`` rewrites them,
+and tests/test_docs.py fails when one differs from what this module renders.
+
+A generated table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from coalesce import _settings
+from coalesce._settings import PublisherConfig, Settings, env_name
+
+__all__ = ["TABLES", "config_table", "regenerate", "render_into"]
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass in coalesce/_settings.py."""
+    tree = ast.parse(inspect.getsource(_settings))
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    docs: dict[str, str] = {}
+    for node, after in zip(body.body, body.body[1:], strict=False):  # (each node and the next)
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            text = " ".join(after.value.value.split())
+            docs[node.target.id] = text.replace("``", "`")  # reST literals as Markdown
+    return docs
+
+
+def _first_sentence(text: str) -> str:
+    match = re.match(r"(.+?\.)(\s|$)", text)
+    return match.group(1) if match else text
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value) if value != "" else '`""`'
+
+
+_VLLM_FIELDS = {
+    "endpoint": "Where the PUB socket binds (`*`, `::`, ipc, inproc) or connects; "
+    "tcp ports are offset by the DP rank.",
+    "replay_endpoint": "The ROUTER that answers replay requests; none: no replay.",
+    "buffer_steps": "Messages kept for replay.",
+    "hwm": "The PUB socket's send high-water mark.",
+    "max_queue_size": "Batches the hand-off holds (vLLM's queue bound); past it a batch "
+    "is refused if the sender takes nothing for `stall_timeout`.",
+    "topic": "The first frame of every message.",
+}
+
+
+def config_table() -> str:
+    """Every setting: vLLM's fields (from its config), then this project's knobs
+    (keyword or ``COALESCE_*`` variable), with defaults from the code."""
+    rows = ["| setting | set by | default | what it does |", "|---|---|---|---|"]
+    vllm_defaults = PublisherConfig()
+    for f in fields(PublisherConfig):
+        rows.append(
+            f"| `{f.name}` | vLLM's `kv_events_config` | "
+            f"{_shown(getattr(vllm_defaults, f.name))} | {_VLLM_FIELDS[f.name]} |"
+        )
+    docs = _field_docs(Settings)
+    defaults = Settings()
+    for f in fields(Settings):
+        rows.append(
+            f"| `{f.name}` | `{env_name(f.name)}` | {_shown(getattr(defaults, f.name))} | "
+            f"{_first_sentence(docs[f.name])} |"
+        )
+    return "\n".join(rows)
+
+
+TABLES = {"config-table": config_table}
+"""The generated tables, by marker name."""
+
+
+def _between(table: str) -> Callable[[re.Match[str]], str]:
+    """A replacement that puts ``table`` between a matched pair of markers."""
+    return lambda m: m.group(1) + table + "\n" + m.group(2)
+
+
+def render_into(text: str) -> str:
+    """``text`` with every generated table replaced by what the code renders now."""
+    for name, render in TABLES.items():
+        pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
+        text = pattern.sub(_between(render()), text)
+    return text
+
+
+def regenerate(paths: list[pathlib.Path]) -> list[pathlib.Path]:
+    """Rewrite the generated tables in ``paths``; the files that changed."""
+    changed = []
+    for path in paths:
+        old = path.read_text()
+        new = render_into(old)
+        if new != old:
+            path.write_text(new)
+            changed.append(path)
+    return changed
+
+
+if __name__ == "__main__":
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for path in regenerate(docs):
+        print(f"regenerated {path.relative_to(ROOT)}", file=sys.stderr)
