@@ -4,7 +4,9 @@ A drop-in for vLLM's ``ZmqEventPublisher``: same wire format, same
 constructor, same replay protocol.  When the sender falls behind, pending
 events are compacted (folded, merged, cancelled) so that every subscriber
 ends up believing the same thing; only past its budget does it drop, and then
-the loss is counted and visible on the wire as a sequence gap.
+the loss is counted and told on the wire: by default a loss marker (a batch of
+one ``AllBlocksCleared``) in the loss's own seq, so every consumer forgets the
+rank instead of keeping stale blocks.
 
 The public surface is this module; ``coalesce.events`` (wire types),
 ``coalesce.compactor`` (pure compaction functions) and ``coalesce.refmodel``

@@ -11,7 +11,7 @@ publishing it cannot make the sender's counters (or the sender) fail.
 
 Loss is recorded in order: when ``offer()`` refuses a batch it remembers it,
 and the next batch it accepts is preceded by a ``LOSS`` marker, so the sender
-skips a sequence number exactly where the loss happened.
+shows the loss (``coalesce._stream``) exactly where it happened.
 
 Two budgets, as in vLLM plus one.  ``max_events`` bounds the events not yet
 sent (and, separately, the batches), the memory bound.
@@ -52,7 +52,7 @@ class _Loss:
 
 
 LOSS: Final = _Loss()
-"""Marker in the backlog: batches were lost here; the sender skips a seq."""
+"""Marker in the backlog: batches were lost here; the sender's stream shows it."""
 
 
 def is_loss(item: Any) -> bool:
@@ -112,7 +112,7 @@ class Backlog:
         ``max_batches`` batches in the hand-off deque once the sender has
         taken nothing from it for ``stall_timeout`` (module docstring).  Over
         budget the batch is refused (returns False) and counted; the loss will
-        show as a sequence gap.
+        be shown on the wire (a loss marker, or a sequence gap).
         """
         pending = self.batches_in - self.batches_out
         if (

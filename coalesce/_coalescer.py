@@ -12,9 +12,9 @@ engine nothing.
 
 The pipe (a PAIR socket, the engine side binds it) carries messages of one
 or two frames: a 5-byte head (a kind byte, then the event count as 4
-little-endian bytes), then a payload for every kind but :data:`GAP` ("skip a
-seq before the next message": a loss on the engine side) and :data:`STOP`
-("send what you have, then exit").  With snapshots, :data:`RECORD` carries a
+little-endian bytes), then a payload for every kind but :data:`GAP` ("a loss
+before the next message", shown by this process's stream as ``loss_marker``
+says) and :data:`STOP` ("send what you have, then exit").  With snapshots, :data:`RECORD` carries a
 batch refused over budget (recorded, not sent) and :data:`INVALIDATE` the
 reason the recorder cannot be exact (a batch it will never see).  The pipe holds at most
 :data:`PIPE_HWM` messages each side, so what sits in it is bounded; a full
@@ -26,7 +26,7 @@ or why it could not), and otherwise through a small shared file of int64
 counters (:data:`COUNTERS`) that it rewrites after each message: the
 engine's ``stats()`` reads them, and if this process dies the engine's
 sender reads the next seq there, binds the endpoints itself and goes on
-after a gap.  It exits on :data:`STOP`, or when its parent has gone.
+after a loss.  It exits on :data:`STOP`, or when its parent has gone.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import zmq
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
+from coalesce._stream import Stream
 from coalesce._wire import Encoder, is_native, message_sender, open_sockets
 from coalesce.compactor import compact_payload
 from coalesce.events import KVEventBatch
@@ -61,7 +62,7 @@ __all__ = ["AS_IS", "COMPACT", "COUNTERS", "GAP", "STOP", "CoalescerProcess", "m
 log = logging.getLogger("coalesce")
 
 AS_IS, COMPACT, GAP, STOP, RECORD, INVALIDATE = 0, 1, 2, 3, 4, 5
-"""Pipe message kinds: send as it is; run the payload rules first; skip a seq; stop;
+"""Pipe message kinds: send as it is; run the payload rules first; a loss; stop;
 (snapshots) give the recorder a batch that was refused, not sent; tell the recorder
 it cannot be exact (the payload says why)."""
 
@@ -79,6 +80,7 @@ COUNTERS = (
     "events_sent",
     "bytes_sent",
     "seq_gaps",
+    "loss_markers",
     "events_superseded",
     "blocks_cancelled",
     "events_merged",
@@ -306,7 +308,7 @@ class Coalescer:
             hwm=spec["hwm"],
             replay_window=settings.replay_window,
         )
-        self._send_message = message_sender(self._socks.pub)
+        send = message_sender(self._socks.pub)
         self._topic = bytes.fromhex(spec["topic"])
         self._linger = int(settings.shutdown_timeout * 1000)
         self._buffer = ReplayBuffer(spec["buffer_steps"])
@@ -317,20 +319,21 @@ class Coalescer:
             else ReplayService.from_settings(router, self._buffer, self._topic, settings)
         )
         self._snapshot: SnapshotService | None = None
-        self._last_sent = time.monotonic()
+        rank = spec["rank"]
+        pid = None
         if self._socks.snapshot is not None:
             pid = bytes.fromhex(spec["publisher_id"])
-            self._rank = spec["rank"]
             self._snapshot = SnapshotService.from_settings(
-                self._socks.snapshot, pid, self._rank, settings
+                self._socks.snapshot, pid, rank, settings
             )
-            self._encoder = Encoder(pid)
             self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        self._stream = Stream.of_rank(
+            send, self._topic, self._buffer, Encoder(pid), rank, settings.loss_marker
+        )
         with open(spec["counters"], "r+b") as f:
             self._file = mmap.mmap(f.fileno(), _LAYOUT.size)
         self._c = dict.fromkeys(COUNTERS, 0)
-        self._c["native_send"] = int(is_native(self._send_message))
-        self._skip = False
+        self._c["native_send"] = int(is_native(send))
         self._write()  # (before the ready message: stats() read it from the start)
 
     @property
@@ -361,7 +364,7 @@ class Coalescer:
                     did = True
                 if replay is not None and replay.step():
                     did = True
-                if snapshot is not None and snapshot.step(self._covered_seq):
+                if snapshot is not None and snapshot.step(self._stream.covered):
                     did = True
                 if did:
                     self._write()
@@ -369,9 +372,11 @@ class Coalescer:
                 if os.getppid() != parent:
                     log.warning("kv-coalesce: the engine's process has gone: stopping")
                     return
-                if snapshot is not None and time.monotonic() - self._last_sent >= HEARTBEAT:
-                    beat = self._encoder.encode_with_id(time.time(), [], self._rank)
-                    self._send(beat, 0)  # PR #57789: an idle publisher beats
+                if (
+                    snapshot is not None
+                    and time.monotonic() - self._stream.last_sent >= HEARTBEAT
+                ):
+                    self._stream.heartbeat()  # PR #57789: an idle publisher beats
                     self._write()
                     continue
                 busy = (replay is not None and replay.busy) or (
@@ -394,9 +399,10 @@ class Coalescer:
         kind, n = _HEAD.unpack(pipe.recv())
         c["received"] += 1
         if kind == STOP:
+            self._stream.show_loss()  # a loss at the end is shown all the same
             return False
         if kind == GAP:
-            self._skip = True
+            self._stream.lose()
             return True
         payload = pipe.recv()
         if kind == INVALIDATE:
@@ -416,21 +422,10 @@ class Coalescer:
                 c["payload_passes"] += 1
                 if n == 0:
                     return True  # everything cancelled: nothing to send, or to record
-        self._send(payload, n)
+        self._stream.emit(payload, n)
         if self._snapshot is not None:
             self._record(payload)  # sent: the recorder's state covers it
         return True
-
-    def _send(self, payload: bytes, n: int) -> None:
-        c = self._c
-        seq = self._covered_seq() + 1  # after the gap of a pending loss, if any
-        c["next_seq"] = seq + 1
-        self._send_message(self._topic, seq, payload)
-        self._buffer.append(seq, payload)
-        self._last_sent = time.monotonic()
-        c["messages_sent"] += 1
-        c["events_sent"] += n
-        c["bytes_sent"] += len(payload)
 
     def _record(self, payload: bytes) -> None:
         """Decode a batch (what a subscriber would) and give it to the recorder."""
@@ -444,18 +439,10 @@ class Coalescer:
             return
         snapshot.record(batch)
 
-    def _covered_seq(self) -> int:
-        """The last seq taken: a pending loss takes its skipped seq now (so the next
-        message comes after the gap, and a snapshot's seq covers it)."""
-        c = self._c
-        if self._skip:
-            self._skip = False
-            c["next_seq"] += 1
-            c["seq_gaps"] += 1
-        return c["next_seq"] - 1
-
     def _write(self) -> None:
         c = self._c
+        c.update(self._stream.published())
+        c["next_seq"] = self._stream.next_seq
         if self._replay is not None:
             c.update(self._replay.published())
         if self._snapshot is not None:

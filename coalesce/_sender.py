@@ -6,13 +6,16 @@ its counters; the publisher facade only reads them (``stats()``) and sets
 publisher dropped without ``shutdown()`` can be collected, and its finaliser
 stops the thread.
 
+Every message goes out through its :class:`coalesce._stream.Stream`, the one
+place that assigns seqs, shows losses (a loss marker or a skipped seq) and
+keeps messages for replay.
+
 Nothing a caller can put in a batch stops this thread.  A window the
 compactor rejects (it raises on a value of a type it cannot handle) is sent
-batch by batch as it was given; a batch the encoder rejects is lost visibly
-(a skipped seq).  If the loop itself ever fails, the thread marks itself dead,
-the backlog refuses every later batch (``publish()`` returns ``DROPPED``),
-what was waiting is counted as dropped, and one empty batch after a skipped
-seq tells subscribers that the stream lost data.
+batch by batch as it was given; a batch the encoder rejects is lost visibly.
+If the loop itself ever fails, the thread marks itself dead, the backlog
+refuses every later batch (``publish()`` returns ``DROPPED``), what was
+waiting is counted as dropped, and the stream shows that loss at once.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from coalesce._payoff import Payoff
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
+from coalesce._stream import Stream
 from coalesce._wire import Encoder, SendMessage, is_native, message_sender, open_sockets
 from coalesce.compactor import (
     PAYLOAD_RELEASE_AT,
@@ -222,18 +226,14 @@ class Totals:
     batches_folded: int = 0
     blocks_cancelled: int = 0
     blocks_moved: int = 0
-    bytes_sent: int = 0
     compaction_failures: int = 0
     compaction_passes: int = 0
     encode_failures: int = 0
     events_merged: int = 0
-    events_sent: int = 0
     events_superseded: int = 0
     fold_only_passes: int = 0
-    messages_sent: int = 0
     payload_passes: int = 0
     rules_skipped: int = 0
-    seq_gaps: int = 0
 
     def add_pass(self, report: Any, fold_only: bool) -> None:
         self.compaction_passes += 1
@@ -347,6 +347,11 @@ class Sender:
         publisher_id: bytes | None = None,
         link: CoalescerProcess | None = None,
     ) -> None:
+        self._rank = rank
+        self._encoder = Encoder(publisher_id)
+        self._stream = Stream.of_rank(
+            None, topic, buffer, self._encoder, rank, settings.loss_marker
+        )
         self._pub: zmq.Socket[bytes] | None = None
         self._send_message: SendMessage | None = None
         self._native_send = False
@@ -357,7 +362,6 @@ class Sender:
         it fails: then this thread binds the endpoints and sends itself."""
         self._router = router
         self._topic = topic
-        self._rank = rank
         self._backlog = backlog
         self._buffer = buffer
         self._settings = settings
@@ -368,12 +372,15 @@ class Sender:
         self._record = None if snapshot is None else snapshot.record
         self._heartbeat = publisher_id is not None and link is None  # else the process beats
         self._publisher_id = publisher_id
-        self._last_sent = time.monotonic()
-        self._encoder = Encoder(publisher_id)
         self.limited = RateLimited()
         self.totals = Totals()
-        self._seq = 0
-        self._skip_pending = False
+        self.loss_told = (
+            "subscribers are sent a loss marker (AllBlocksCleared)"
+            if settings.loss_marker == "clear"
+            else "subscribers will see a sequence gap"
+        )
+        """What a loss's log line says subscribers learn (``loss_marker``; the facade's
+        drop warning says it too)."""
         self._level = Level.ONE_TO_ONE
         self._escalated = False  # this pressure episode is fold-only
         self._payoff = Payoff()  # whether the rules level's rules pay (object path)
@@ -496,7 +503,7 @@ class Sender:
                 ):
                     self._poll_at = now + SERVICE_POLL
                     did = replay.step(self._replay_budget()) if replay is not None else False
-                    if snapshot is not None and snapshot.step(self._covered_seq):
+                    if snapshot is not None and snapshot.step(self._stream.covered):
                         did = True
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout
@@ -522,9 +529,9 @@ class Sender:
             if (
                 self._heartbeat
                 and not self.closed
-                and time.monotonic() - self._last_sent >= HEARTBEAT
+                and time.monotonic() - self._stream.last_sent >= HEARTBEAT
             ):
-                self._send_empty()
+                self._stream.heartbeat()
                 continue
             self.idle = True
             if len(backlog) or self.closed:
@@ -533,7 +540,7 @@ class Sender:
             self._bell.acquire(timeout=IDLE_POLL)
             self.idle = False
         self._finish_pending()
-        self._finish_loss()
+        self._show_loss()
 
     def _replay_budget(self) -> int:
         """Replay messages this step may send: fewer while the live stream is behind."""
@@ -887,9 +894,10 @@ class Sender:
             self.totals.add_pass(rep, fold_only=fold_only)
 
     def _lost(self, marker: Any) -> None:
-        """A loss marker: skip a seq; the recorder still gets what was refused."""
-        self._finish_pending()  # the gap comes after the window before it
-        self._skip_pending = True
+        """A loss marker of the backlog: the stream shows the loss; the recorder
+        still gets what was refused."""
+        self._finish_pending()  # the loss comes after the window before it
+        self._stream.lose()
         link = self._link
         if link is not None and self._publisher_id is not None:  # its recorder sees them
             self._record_remotely(link, marker)
@@ -901,21 +909,6 @@ class Sender:
                 snapshot.record(b, keep_gil)
             if marker.overflow:
                 snapshot.invalidate("more batches refused than the record bound keeps")
-
-    def _covered_seq(self) -> int:
-        """The last seq the recorder's state covers: a pending loss takes its seq now."""
-        if self._skip_pending:
-            self._skip_pending = False
-            self._seq += 1
-            self.totals.seq_gaps += 1
-        return self._seq - 1
-
-    def _send_empty(self) -> None:
-        """Send one empty batch: a heartbeat, or the message that shows a final loss."""
-        from coalesce.events import KVEventBatch
-
-        empty = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank)
-        self._emit(self._encoder.encode(empty), 0)
 
     def _maybe_yield(self) -> None:
         """Hand the GIL to the engine if the sender has held it for its slice
@@ -956,6 +949,7 @@ class Sender:
         self._pub = pub
         self._send_message = message_sender(pub)
         self._native_send = is_native(self._send_message)
+        self._stream.use(self._send_message)
 
     # -- encode and send ---------------------------------------------------------
 
@@ -998,34 +992,20 @@ class Sender:
         link = self._link
         if link is not None and self._push(link, kind, n_events, payload):
             return
-        t = self.totals
-        if self._skip_pending:
-            self._skip_pending = False
-            self._seq += 1
-            t.seq_gaps += 1
-        seq = self._seq
-        self._seq += 1
-        send = self._send_message
-        assert send is not None  # no coalescer process: this thread's own socket
-        send(self._topic, seq, payload)  # holding the GIL where it can (_wire)
-        self._buffer.append(seq, payload)
-        if self._heartbeat:
-            self._last_sent = time.monotonic()
-        t.messages_sent += 1
-        t.events_sent += n_events
-        t.bytes_sent += len(payload)
+        self._stream.emit(payload, n_events)  # holding the GIL where it can (_wire)
 
     # -- the coalescer process ---------------------------------------------------
 
     def _push(self, link: CoalescerProcess, kind: int, n_events: int, payload: bytes) -> bool:
-        """Hand a message to the coalescer process (after a gap marker if a loss is
-        pending).  While its pipe is full, wait (GIL released) in 1 ms slices, keeping
-        the batch budget free; False if the process has gone or stays stuck for
-        PIPE_TIMEOUT seconds: then this thread sends from now on (after a gap)."""
-        if self._skip_pending:
+        """Hand a message to the coalescer process (after the loss, if one is
+        pending: the process shows it).  While its pipe is full, wait (GIL
+        released) in 1 ms slices, keeping the batch budget free; False if the
+        process has gone or stays stuck for PIPE_TIMEOUT seconds: then this
+        thread sends from now on (after a loss)."""
+        if self._stream.loss_pending:
             if not self._push_one(link, GAP, 0, None):
                 return False
-            self._skip_pending = False
+            self._stream.hand_on_loss()
         return self._push_one(link, kind, n_events, payload)
 
     def _push_one(
@@ -1072,23 +1052,19 @@ class Sender:
 
     def _fall_back(self, why: str = "") -> None:
         """The coalescer process has failed: bind its endpoints here and send on
-        after its last seq, with a gap (what was in its pipe, or being compacted,
+        after its last seq, with a loss (what was in its pipe, or being compacted,
         is lost; so is its replay buffer)."""
         link = self._link
         assert link is not None
         last = link.dead()
-        self.totals.messages_sent = last["messages_sent"]
-        self.totals.events_sent = last["events_sent"]
-        self.totals.bytes_sent = last["bytes_sent"]
-        self.totals.seq_gaps = last["seq_gaps"]
-        self._seq = last["next_seq"]
-        self._skip_pending = True
+        self._stream.carry_on(last)
         log.error(
             "kv-coalesce: the coalescer process (pid %d) %s; the sender thread publishes "
-            "on %s itself from now on, after a sequence gap",
+            "on %s itself from now on, after a loss: %s",
             link.pid,
             why or f"exited with code {link.returncode}",
             link.endpoint,
+            self.loss_told,
         )
         self._link = None
         socks = open_sockets(
@@ -1117,6 +1093,7 @@ class Sender:
         """The counters that are ``PublisherStats`` fields (the coalescer process's for
         what it does, while there is one).  O(1)."""
         out = self.totals.published()
+        out.update(self._stream.published())
         out["native_send"] = self._native_send
         replay, snapshot = self.replay, self.snapshot
         out.update(replay.published() if replay is not None else ReplayService.NOTHING)
@@ -1135,17 +1112,28 @@ class Sender:
 
     def _encode_failed(self, exc: BaseException) -> None:
         self.totals.encode_failures += 1
-        self._skip_pending = True
+        self._stream.lose()
         link = self._link
         if link is not None and self._publisher_id is not None:  # its recorder misses it
             self._invalidate_remotely(link, f"a batch could not be encoded ({type(exc).__name__})")
         self.limited.warning(
             "encode",
-            "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); "
-            "subscribers will see a sequence gap",
+            "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); %s",
             type(exc).__name__,
             exc,
+            self.loss_told,
         )
+
+    def _show_loss(self) -> None:
+        """Show a pending loss now, with no message to follow it (else it would stay
+        invisible): here, or through the coalescer process, which shows it before an
+        empty batch."""
+        if not self._stream.loss_pending:
+            return
+        if self._link is not None:
+            self._emit(self._encoder.encode_now([], self._rank), 0)
+        else:
+            self._stream.show_loss()
 
     def _compaction_failed(self, exc: BaseException) -> None:
         self.totals.compaction_failures += 1
@@ -1163,27 +1151,22 @@ class Sender:
         self.totals.add_abandoned(batches, events)
         self.done += batches
         if batches:
-            self._skip_pending = True
+            self._stream.lose()
             log.warning(
-                "kv-coalesce: %s: %d batches (%d events) abandoned; "
-                "subscribers will see a sequence gap",
+                "kv-coalesce: %s: %d batches (%d events) abandoned; %s",
                 why,
                 batches,
                 events,
+                self.loss_told,
             )
 
-    def _finish_loss(self) -> None:
-        """A loss with no message after it is invisible: send one empty batch after the gap."""
-        if self._skip_pending:
-            self._send_empty()
-
     def _die(self, exc: BaseException) -> None:
-        """The loop failed: refuse all later batches, count what waits, show a gap."""
+        """The loop failed: refuse all later batches, count what waits, show the loss."""
         self.failed = True
         self._backlog.refuse_all()
         log.error(
-            "kv-coalesce: the sender thread failed; publish() now drops every batch "
-            "(subscribers will see a sequence gap)",
+            "kv-coalesce: the sender thread failed; publish() now drops every batch (%s)",
+            self.loss_told,
             exc_info=exc,
         )
         # The window being handled is counted lost (part of it may have gone out:
@@ -1197,11 +1180,11 @@ class Sender:
         self.totals.add_abandoned(batches, events)
         self.done += batches
         try:
-            self._skip_pending = True
+            self._stream.lose()
             self._abandon("sender failed")
-            self._finish_loss()
+            self._show_loss()
         except Exception:  # the socket itself is broken: nothing more can be said on it
-            log.exception("kv-coalesce: could not send the final gap marker")
+            log.exception("kv-coalesce: could not show the final loss")
 
 
 def _n_events(batch: Any) -> int:

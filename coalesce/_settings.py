@@ -76,6 +76,13 @@ def _coalescer(raw: Any) -> str:
     return text
 
 
+def _loss_marker(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("clear", "gap"):
+        raise ValueError("expected clear or gap")
+    return text
+
+
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -113,6 +120,12 @@ class Settings:
     sender only folds, in 4x larger windows (it also does once a pass of the rules has
     lost ground).  On the event objects (the default) the sender times the rules
     against folding instead, window by window."""
+    loss_marker: str = _knob("clear", _loss_marker)
+    """How a loss (a batch refused past the budget, or one that cannot be encoded) is
+    told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
+    holding one ``AllBlocksCleared``, so the sequence has no hole and every consumer
+    forgets this rank's blocks (never keeps stale ones); ``gap``: it skips a seq,
+    which consumers with replay treat as they each do (docs/subscribers.md)."""
     stall_timeout: float = _knob(1.0, _seconds)
     """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
     sender takes nothing from it before publish() refuses batches on that count; 0

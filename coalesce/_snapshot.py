@@ -186,7 +186,7 @@ class SnapshotService:
         """Read requests; start a reply, or build one more chunk of it.  Never blocks.
 
         ``covered_seq()`` names the last message the recorder's state covers
-        (it may consume a pending skipped seq).  Returns True if it did anything.
+        (it may show a pending loss first).  Returns True if it did anything.
         """
         did = read_requests(self._sock, self._request)
         rnd = self._round

@@ -11,6 +11,7 @@ figures).
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import zmq
 
 from coalesce._env import NO_ACCEL, PYZMQ_SEND, switched_on
 from coalesce._settings import is_bind_endpoint
+from coalesce.events import KVEventBatch
 
 __all__ = [
     "END_SEQ",
@@ -59,6 +61,13 @@ class Encoder:
         if self._id is None:
             return self._enc.encode(batch)
         return self.encode_with_id(batch.ts, batch.events, batch.data_parallel_rank)
+
+    def encode_now(self, events: list[Any], rank: int | None) -> bytes:
+        """A batch of ``events`` stamped now: a heartbeat (no events), a loss marker."""
+        if self._id is None:
+            batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank)
+            return self._enc.encode(batch)
+        return self.encode_with_id(time.time(), events, rank)
 
     def encode_with_id(self, ts: float, events: list[Any], rank: int | None) -> bytes:
         """``[ts, events, rank, publisher_id]`` without building a batch (a snapshot

@@ -53,8 +53,8 @@ class PublishOutcome(enum.Enum):
     QUEUED = "queued"
     """Accepted: it will be sent, as it is or compacted with its neighbours."""
     DROPPED = "dropped"
-    """Refused (over budget, or the sender has stopped): counted, and visible to
-    subscribers as a sequence gap."""
+    """Refused (over budget, or the sender has stopped): counted, and told to
+    subscribers by a loss marker (or a sequence gap: ``loss_marker``)."""
 
 
 def _log_start(
@@ -334,10 +334,10 @@ class CoalescingPublisher:
             return
         self._sender.limited.warning(
             "drop",
-            "kv-coalesce: backlog over budget (%d batches / %d events): dropped a batch; "
-            "subscribers will see a sequence gap",
+            "kv-coalesce: backlog over budget (%d batches / %d events): dropped a batch; %s",
             self._backlog.max_batches,
             self._backlog.max_events,
+            self._sender.loss_told,
         )
 
     def _check_batch_type(self, cls: type, events: Any) -> None:

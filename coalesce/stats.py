@@ -25,8 +25,9 @@ class PublisherStats:
 
     Every loss is counted in ``batches_dropped`` (refused by ``publish()``
     over budget or after the sender failed, or abandoned by ``shutdown()``)
-    or ``encode_failures``, and each loss episode is one skipped sequence
-    number (``seq_gaps``).  Each field's description is in its metadata
+    or ``encode_failures``, and each loss episode is shown on the wire once: a
+    loss marker (``loss_markers``) or a skipped sequence number (``seq_gaps``),
+    as ``loss_marker`` says.  Each field's description is in its metadata
     (:func:`field_docs`), and the Prometheus collector uses it.
     """
 
@@ -41,7 +42,12 @@ class PublisherStats:
     compaction_failures: int = _counter(
         "Windows the compactor could not handle (sent batch by batch, uncompacted)."
     )
-    seq_gaps: int = _counter("Sequence numbers skipped to make losses visible on the wire.")
+    seq_gaps: int = _counter(
+        "Sequence numbers skipped to make losses visible on the wire (loss_marker=gap)."
+    )
+    loss_markers: int = _counter(
+        "Loss markers sent: AllBlocksCleared batches, each in place of a loss (loss_marker=clear)."
+    )
     messages_sent: int = _counter("ZMQ messages (batches) sent on the PUB socket.")
     events_sent: int = _counter("Events in those messages.")
     bytes_sent: int = _counter("Payload bytes sent (the third frame only).")

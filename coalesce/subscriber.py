@@ -37,8 +37,11 @@ on with the messages after it (those it covers are ignored; live messages
 wait in the SUB socket meanwhile).  Payloads then carry the publisher's
 16-byte ``publisher_id``: a message with another id is a restart.  If the
 snapshot is unavailable (-2), not yet possible (-1) or does not come, the
-rules above apply.  ``snapshots`` counts bootstraps, ``recovered`` the gaps a
-snapshot healed instead of a reset.
+rules above apply.  A batch holding ``AllBlocksCleared`` (the engine's own
+reset, or a publisher's loss marker: ``loss_marker="clear"``) is applied and
+then followed by a bootstrap too, so a loss told by a marker heals exactly.
+``snapshots`` counts bootstraps, ``recovered`` the gaps a snapshot healed
+instead of a reset.
 
 Nothing that arrives on the wire makes :meth:`Subscriber.poll` raise.  A
 message that does not decode, or whose known events do not validate (a hash
@@ -404,8 +407,15 @@ class Subscriber:
                     return self._after_bootstrap(src, seq, payload, pid)
                 self._reset(src)
         src.publisher_id = pid
-        self._apply(src, seq, payload)
+        self._apply_live(src, seq, payload)
         return 1
+
+    def _apply_live(self, src: Source, seq: int, payload: bytes) -> None:
+        """Apply a live message; after a clear, bootstrap where snapshots are served."""
+        if self._apply(src, seq, payload) and src.snapshot_endpoint is not None:
+            # A clear: a publisher's loss marker, or the engine's own reset. Either
+            # way the snapshot, cut at or after it, is what the engine holds now.
+            self._bootstrap(src)
 
     def _after_bootstrap(self, src: Source, seq: int, payload: bytes, pid: bytes | None) -> int:
         """The message that started a bootstrap, against the snapshot's seq."""
@@ -418,7 +428,7 @@ class Subscriber:
             return 0
         if seq > last + 1 and not self._catch_up(src, last + 1, seq, first=False, reset=False):
             self._reset(src)  # a second loss at once: the old rules
-        self._apply(src, seq, payload)
+        self._apply_live(src, seq, payload)
         return 1
 
     def _bootstrap(self, src: Source) -> bool:
@@ -464,7 +474,8 @@ class Subscriber:
         src.recent_order.clear()
         return True
 
-    def _apply(self, src: Source, seq: int, payload: bytes) -> None:
+    def _apply(self, src: Source, seq: int, payload: bytes) -> bool:
+        """Apply one message to the source's index; whether it cleared the index."""
         try:
             ts, events, rank, unknown = _decode_for_index(payload)
         except ValueError:
@@ -479,11 +490,13 @@ class Subscriber:
         if len(src.recent_order) > RECENT:
             src.recent.pop(src.recent_order.popleft(), None)
         if events is None:
-            return
+            return False
         src.unknown_events += unknown
-        src.events.update(_apply_to_index(src.index, events))
+        kinds = _apply_to_index(src.index, events)
+        src.events.update(kinds)
         if self._on_batch is not None:
             self._on_batch(src, seq, ts, events, rank)
+        return "AllBlocksCleared" in kinds
 
     def _reset(self, src: Source) -> None:
         src.resets += 1

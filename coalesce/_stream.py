@@ -1,0 +1,190 @@
+"""The stream: the one place a seq is assigned and a message goes on the wire.
+
+Every message, whether a batch's payload, a loss's marker or a heartbeat, is
+sent here, kept for replay here and counted here, once; the sender thread and
+the coalescer process each own one :class:`Stream` and send through nothing
+else.
+
+A loss (a batch refused, abandoned or unencodable) is noted with
+:meth:`Stream.lose` and shown before the next message, in one of two forms
+(:data:`LOSS_MARKERS`):
+
+- ``"clear"`` (the default): the loss takes a seq of its own, carried by a
+  *loss marker*, a batch holding one ``AllBlocksCleared`` for this rank. The
+  sequence never has a hole, so a replay is always contiguous; every consumer
+  that applies the batch forgets that rank's blocks (llm-d: every tier of the
+  pod; Dynamo: the worker; vLLM's decoder: an ordinary event), and from there
+  it can only be missing blocks, never hold stale ones.
+- ``"gap"``: the loss skips a seq. A consumer with replay finds that seq
+  missing and resets the rank on its own terms (llm-d blacks it out for a
+  cooldown); one without replay (Dynamo) keeps whatever the lost batch would
+  have removed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from coalesce._replay import ReplayBuffer
+from coalesce._wire import Encoder, SendMessage
+from coalesce.events import AllBlocksCleared
+
+__all__ = ["LOSS_MARKERS", "Stream"]
+
+LOSS_MARKERS = ("clear", "gap")
+"""How a loss is shown on the wire: a marker message (``clear``) or a skipped seq."""
+
+
+class Stream:
+    """A publisher's sequence: seqs, the replay buffer and the wire counters.
+
+    ``empty()`` encodes an empty batch of this rank (a heartbeat, or the message
+    that shows a final gap), ``marker()`` a loss marker; both are called only
+    when such a message is sent.  Every method is O(1) but for the send itself.
+    """
+
+    __slots__ = (
+        "_buffer",
+        "_empty",
+        "_lost",
+        "_marker",
+        "_send",
+        "_topic",
+        "bytes_sent",
+        "events_sent",
+        "last_sent",
+        "loss_markers",
+        "messages_sent",
+        "next_seq",
+        "seq_gaps",
+    )
+
+    def __init__(
+        self,
+        send: SendMessage | None,
+        topic: bytes,
+        buffer: ReplayBuffer,
+        empty: Callable[[], bytes],
+        marker: Callable[[], bytes] | None,
+    ) -> None:
+        self._send = send
+        self._topic = topic
+        self._buffer = buffer
+        self._empty = empty
+        self._marker = marker
+        self._lost = False
+        self.next_seq = 0
+        self.messages_sent = 0
+        self.events_sent = 0
+        self.bytes_sent = 0
+        self.seq_gaps = 0
+        self.loss_markers = 0
+        self.last_sent = time.monotonic()
+
+    @classmethod
+    def of_rank(
+        cls,
+        send: SendMessage | None,
+        topic: bytes,
+        buffer: ReplayBuffer,
+        encoder: Encoder,
+        rank: int,
+        loss_marker: str,
+    ) -> Stream:
+        """The stream of one DP rank's publisher: its empty batches and loss markers
+        are that rank's, encoded by ``encoder``; ``loss_marker`` is the setting."""
+        if loss_marker not in LOSS_MARKERS:
+            raise ValueError(f"loss_marker must be one of {LOSS_MARKERS}, not {loss_marker!r}")
+        cleared = [AllBlocksCleared()]
+        return cls(
+            send,
+            topic,
+            buffer,
+            empty=lambda: encoder.encode_now([], rank),
+            marker=(lambda: encoder.encode_now(cleared, rank)) if loss_marker == "clear" else None,
+        )
+
+    def use(self, send: SendMessage) -> None:
+        """Send with ``send`` from now on (a socket of this process's own)."""
+        self._send = send
+
+    def carry_on(self, counters: dict[str, int]) -> None:
+        """Go on after another stream of the same publisher (a coalescer process that
+        has gone): its seq and counters, and a loss, since what it held is lost."""
+        self.next_seq = counters["next_seq"]
+        for name in ("messages_sent", "events_sent", "bytes_sent", "seq_gaps", "loss_markers"):
+            setattr(self, name, counters[name])
+        self._lost = True
+
+    @property
+    def loss_pending(self) -> bool:
+        """A loss noted and not yet shown on the wire."""
+        return self._lost
+
+    def hand_on_loss(self) -> None:
+        """A pending loss is now another stream's to show (the coalescer process's)."""
+        self._lost = False
+
+    def lose(self) -> None:
+        """Note a loss: it is shown before the next message (or by :meth:`show_loss`)."""
+        self._lost = True
+
+    def emit(self, payload: bytes, n_events: int) -> int:
+        """Send ``payload`` (after showing a pending loss); its seq."""
+        if self._lost:
+            self._show()
+        return self._put(payload, n_events)
+
+    def heartbeat(self) -> None:
+        """Send an empty batch (the idle publisher's heartbeat)."""
+        self.emit(self._empty(), 0)
+
+    def covered(self) -> int:
+        """The last seq taken, a pending loss shown first (so a snapshot cut at this
+        seq covers it).  -1 before the first message."""
+        if self._lost:
+            self._show()
+        return self.next_seq - 1
+
+    def show_loss(self) -> None:
+        """Show a pending loss now, even with no message to follow: a marker, or an
+        empty batch after the gap (a loss at the end is otherwise invisible)."""
+        if not self._lost:
+            return
+        if self._marker is not None:
+            self._show()
+        else:
+            self.heartbeat()
+
+    def published(self) -> dict[str, int]:
+        """The counters, as ``PublisherStats`` fields."""
+        return {
+            "messages_sent": self.messages_sent,
+            "events_sent": self.events_sent,
+            "bytes_sent": self.bytes_sent,
+            "seq_gaps": self.seq_gaps,
+            "loss_markers": self.loss_markers,
+        }
+
+    def _show(self) -> None:
+        if self._marker is None:
+            self.next_seq += 1
+            self.seq_gaps += 1
+        else:
+            self._put(self._marker(), 0)  # (if the send raises, the loss stays pending)
+            self.loss_markers += 1
+        self._lost = False
+
+    def _put(self, payload: bytes, n_events: int) -> int:
+        seq = self.next_seq
+        send = self._send
+        assert send is not None  # a stream is given its socket before its first message
+        send(self._topic, seq, payload)  # if it raises, the seq is still free
+        self.next_seq = seq + 1
+        self._buffer.append(seq, payload)
+        self.last_sent = time.monotonic()
+        self.messages_sent += 1
+        self.events_sent += n_events
+        self.bytes_sent += len(payload)
+        return seq
