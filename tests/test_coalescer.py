@@ -164,7 +164,7 @@ def test_shutdown_sends_everything_and_stops_the_process(make_sub):
 
 
 def test_a_killed_coalescer_is_replaced_by_the_sender_after_a_gap(pubs, make_sub, caplog):
-    p, ep, _ = pubs()
+    p, ep, _ = pubs(loss_marker="gap")
     sub = make_sub(ep)
     joined(p, sub)
     for i in range(5):
@@ -193,7 +193,7 @@ def test_a_killed_coalescer_is_replaced_by_the_sender_after_a_gap(pubs, make_sub
 
 
 def test_a_frozen_coalescer_is_stopped_after_the_pipe_timeout(pubs, make_sub):
-    p, ep, _ = pubs(max_queue_size=0)
+    p, ep, _ = pubs(max_queue_size=0, loss_marker="gap")
     sub = make_sub(ep)
     joined(p, sub)
     link = link_of(p)

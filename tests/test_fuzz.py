@@ -102,11 +102,20 @@ def marker(i: int) -> BlockStored:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(st.lists(st.lists(events, max_size=6), min_size=1, max_size=12), st.booleans())
-def test_whatever_is_published_goes_out_or_is_lost_visibly(batches, payload_rules):
+@given(
+    st.lists(st.lists(events, max_size=6), min_size=1, max_size=12),
+    st.booleans(),
+    st.sampled_from(("clear", "gap")),
+)
+def test_whatever_is_published_goes_out_or_is_lost_visibly(batches, payload_rules, loss_marker):
     ep = inproc("pub")
     with Subscriber(ep, mode="refcount") as sub:  # connected before the bind
-        pub = CoalescingPublisher(endpoint=ep, high_watermark=1, payload_rules=payload_rules)
+        pub = CoalescingPublisher(
+            endpoint=ep,
+            high_watermark=1,
+            payload_rules=payload_rules,
+            loss_marker=loss_marker,
+        )
         try:
             accepted: list[int] = []
             with held(pub):  # back to back: the sender compacts them
@@ -131,10 +140,15 @@ def test_whatever_is_published_goes_out_or_is_lost_visibly(batches, payload_rule
         assert src.messages == st_.messages_sent, "every message sent was handled"
         assert src.gaps <= st_.seq_gaps, "inproc drops nothing: every gap is a loss"
         lost = st_.encode_failures + st_.batches_dropped
-        assert (lost > 0) == (st_.seq_gaps > 0), "a loss, and only a loss, skips a seq"
+        shown = st_.seq_gaps if loss_marker == "gap" else st_.loss_markers
+        assert (lost > 0) == (shown > 0), "a loss, and only a loss, is shown on the wire"
+        assert (st_.seq_gaps, st_.loss_markers)[loss_marker == "gap"] == 0, "in one form only"
         have = {h for (m, _, h) in src.index.state() if m == "MARK"}
-        knows = src.resets or src.gaps or src.partial  # it knows its index may be wrong
+        # it knows its index may be wrong: a reset or a gap; or a marker made it forget
+        knows = src.resets or src.gaps or src.partial or st_.loss_markers
         assert MARK + sentinel in have or knows
+        if loss_marker == "clear":  # every loss shown before the sentinel: it is held
+            assert MARK + sentinel in have or src.resets
         if not knows:  # the subscriber believes it is right: it must be
             cleared_after = [
                 i for i in accepted if any(isinstance(e, AllBlocksCleared) for e in batches[i])

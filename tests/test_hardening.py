@@ -50,7 +50,7 @@ MALFORMED = {
 def test_a_malformed_event_under_compaction_does_not_stop_the_sender(case, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    pub = CoalescingPublisher(endpoint=ep, high_watermark=1)
+    pub = CoalescingPublisher(endpoint=ep, high_watermark=1, loss_marker="gap")
     try:
         bad = MALFORMED[case]()
         with held(pub):  # back to back: the sender compacts them together
@@ -114,7 +114,7 @@ def test_publish_checks_ts_in_constant_time():
 def test_a_sender_that_dies_anyway_drops_visibly_from_then_on(make_sub, caplog):
     ep = inproc("pub")
     sub = make_sub(ep)
-    pub = CoalescingPublisher(endpoint=ep, compaction=False)
+    pub = CoalescingPublisher(endpoint=ep, compaction=False, loss_marker="gap")
     try:
         pub.publish(KVEventBatch(0.0, [good(1)]))
         assert pub.flush(10)
@@ -144,13 +144,13 @@ def test_a_sender_that_dies_mid_window_counts_the_window_lost():
     try:
         sender = pub._sender
 
-        def broken(payload: bytes, n_events: int) -> None:  # the socket fails mid-window
+        def broken(topic: bytes, seq: int, payload: bytes) -> None:  # the socket fails
             raise zmq.ZMQError(zmq.ENOTSOCK)
 
         with held(pub):
             for i in range(20):
                 pub.publish(KVEventBatch(float(i), [good(i + 1)]))
-            sender._emit_now = broken  # type: ignore[method-assign]
+            sender._stream.use(broken)  # every send from now on, the final loss's too
         wait_for(lambda: not pub.stats().sender_alive, what="the sender to stop")
         assert pub.flush(1.0)
         st = pub.stats()

@@ -300,7 +300,11 @@ def test_the_helpers_window_goes_out_before_a_later_loss(make_sub: Any, tail: st
     with (
         mock.patch.object(_sender, "PAYLOAD_RELEASE_AT", 0),  # every window to the helper
         CoalescingPublisher(
-            endpoint=ep, high_watermark=1, max_events_per_step=4, payload_rules=True
+            endpoint=ep,
+            high_watermark=1,
+            max_events_per_step=4,
+            payload_rules=True,
+            loss_marker="gap",
         ) as p,
     ):
         with held(p):  # the 4 good ones are one window; then the bad one

@@ -278,7 +278,7 @@ def test_the_fold_only_way_sends_big_batches_as_they_are(pubs, make_sub, monkeyp
 def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1, stall_timeout=0)
+    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1, stall_timeout=0, loss_marker="gap")
     with held(p):  # a sender that cannot run at all (and is judged stalled at once)
         outcomes = Counter(p.publish(batch(store(i))) for i in range(1000))
     dropped = outcomes[PublishOutcome.DROPPED]
@@ -330,7 +330,7 @@ def test_a_full_hand_off_waits_stall_timeout_for_a_late_sender(pubs, make_sub):
     vLLM's queue would make the engine wait for a late sender, so nothing may be lost."""
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1, stall_timeout=0.2)
+    p = pubs(endpoint=ep, max_queue_size=5, high_watermark=1, stall_timeout=0.2, loss_marker="gap")
     with held(p):  # late: holds still, as a sender with no CPU does
         first = [p.publish(batch(store(i))) for i in range(50)]
         assert first == [PublishOutcome.QUEUED] * 50, "within stall_timeout nothing is refused"
@@ -450,7 +450,7 @@ def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground(pub
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, compaction=False)
+    p = pubs(endpoint=ep, compaction=False, loss_marker="gap")
     bad = BlockStored([2], None, [object()], 1, None, "GPU", None)  # type: ignore[list-item]
     p.publish(batch(store(1)))
     p.publish(batch(bad))
@@ -465,7 +465,7 @@ def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
 def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub, payload_rules):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=1, payload_rules=payload_rules)
+    p = pubs(endpoint=ep, high_watermark=1, payload_rules=payload_rules, loss_marker="gap")
     bad = BlockStored([2], None, [object()], 1, None, "GPU", None)  # type: ignore[list-item]
     with held(p):
         for b in (batch(store(1)), batch(bad), batch(store(3)), batch(store(4))):
@@ -505,7 +505,7 @@ def test_shutdown_is_idempotent_and_publish_after_raises(pubs):
 def test_shutdown_with_a_full_backlog_returns_and_counts_what_it_abandons(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, shutdown_timeout=0.0)
+    p = pubs(endpoint=ep, shutdown_timeout=0.0, loss_marker="gap")
     with held(p):
         for i in range(2000):  # 6,000 events: more than one flushing window
             p.publish(batch(store(3 * i), store(3 * i + 1), store(3 * i + 2)))

@@ -155,7 +155,9 @@ def test_a_subscriber_too_slow_for_the_hwm_sees_the_gap_and_recovers():
 def test_a_publisher_loss_makes_an_incomplete_replay_and_a_reset():
     ep, rep = inproc("pub"), inproc("replay")
     sub = Subscriber(ep, rep)
-    pub = CoalescingPublisher(endpoint=ep, replay_endpoint=rep, max_queue_size=3, stall_timeout=0)
+    pub = CoalescingPublisher(
+        endpoint=ep, replay_endpoint=rep, max_queue_size=3, stall_timeout=0, loss_marker="gap"
+    )
     try:
         with sub:
             with held(pub):
