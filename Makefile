@@ -4,11 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_BIN := $(DYNAMO_VENV)/bin
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed-stamp
+
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: demo test test-pure test-vllm lint bench check-c docs clean
+.PHONY: demo test test-pure test-vllm test-dynamo lint bench check-c docs clean
 
 # setup.py builds the optional C accelerators in place; a C change reinstalls.
 $(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h
@@ -37,8 +41,18 @@ $(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c 
 test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 wheel
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
 
+$(DYNAMO_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/dynamo.txt
+	$(PY) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_BIN)/python -m pip install -q --upgrade pip
+	$(DYNAMO_BIN)/python -m pip install -q -r requirements/dynamo.txt
+	$(DYNAMO_BIN)/python -m pip install -q -e '.[test]'
+	touch $(DYNAMO_STAMP)
+
+test-dynamo: $(DYNAMO_STAMP) ## NVIDIA Dynamo's real KV indexer (ai-dynamo-runtime 1.6.1) under forced loss
+	$(DYNAMO_BIN)/python -m pytest -q tests_dynamo
+
 lint: $(STAMP)            ## ruff + mypy --strict
-	$(BIN)/ruff check coalesce coalesce_tools tests tests_vllm benchmarks
+	$(BIN)/ruff check coalesce coalesce_tools tests tests_vllm tests_dynamo benchmarks
 	$(BIN)/mypy
 
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
@@ -66,4 +80,4 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_recorder.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so

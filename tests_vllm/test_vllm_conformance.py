@@ -218,6 +218,35 @@ def test_compacted_stream_decodes_with_vllms_types_and_keeps_state(enabled, made
         assert SubscriberModel(mode).apply_batches(received).state() == want, mode
 
 
+def test_a_loss_marker_decodes_with_vllms_types_and_leaves_no_hole(
+    enabled, made, make_sub, monkeypatch
+):
+    """A loss forced through vLLM's own factory and config: the stream stays
+    contiguous, the marker is vLLM's ``AllBlocksCleared`` for this rank, and
+    what follows it is applied as usual."""
+    monkeypatch.setenv("COALESCE_STALL_TIMEOUT", "0")  # a held sender is a stalled one
+    ep = inproc("pub")
+    sub = make_sub(f"{ep}_dp1")
+    pub = create(made, rank=1, endpoint=ep, max_queue_size=2)
+    assert pub.settings.loss_marker == "clear"
+    with held(pub):
+        outcomes = [pub.publish(offload(i)) for i in range(10)]
+    assert PublishOutcome.DROPPED in outcomes
+    assert pub.flush(10)
+    assert pub.publish(offload(10)) is PublishOutcome.QUEUED
+    assert pub.flush(10)
+    st = pub.stats()
+    assert st.loss_markers == 1 and st.seq_gaps == 0
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    assert [m[1] for m in msgs] == list(range(len(msgs))), "no hole"
+    dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
+    received = [dec.decode(m[2]) for m in msgs]
+    markers = [b for b in received if any(isinstance(e, vk.AllBlocksCleared) for e in b.events)]
+    assert len(markers) == 1 and len(markers[0].events) == 1
+    assert markers[0].data_parallel_rank == 1
+    assert received[-1].events == offload(10).events  # after the marker, as it was published
+
+
 def test_vllms_classes_take_the_c_rules_and_match_the_python_ones():
     """vLLM's own event classes are read by the accelerator (field slots found from
     vLLM's declarations, not ours), with the pure-Python rules as the oracle."""

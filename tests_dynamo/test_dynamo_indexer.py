@@ -1,0 +1,148 @@
+"""NVIDIA Dynamo's real KV indexer (ai-dynamo-runtime 1.6.1, Rust) reading this
+publisher's stream, under the forced loss of tests/test_loss_markers.py.
+
+Dynamo's indexer has no replay: a skipped seq is logged and nothing else, so
+the blocks the lost batches removed stay in its index (stale: it would route
+to them). A loss marker is an ``AllBlocksCleared`` it applies: it forgets the
+worker, then refills from the stores that follow.  Its state is read from
+``GET /dump``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from coalesce import (
+    BlockRemoved,
+    BlockStored,
+    CoalescingPublisher,
+    KVEventBatch,
+    PublishOutcome,
+)
+from coalesce.refmodel import SubscriberModel
+from tests.conftest import free_port, held, wait_for
+from tests.test_loss_markers import step
+
+PROBE, SENTINEL = 900_001, 900_002  # hashes the workload never uses
+
+
+@pytest.fixture
+def indexer() -> Iterator[tuple[int, int]]:
+    """A Dynamo indexer following worker 1 on a fresh port: (zmq port, http port)."""
+    port, http = free_port(), free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dynamo.indexer",
+            "--workers",
+            f"1=tcp://127.0.0.1:{port}",
+            "--block-size",
+            "4",
+            "--port",
+            str(http),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _dump(http) is not None, timeout=30, what="the indexer's HTTP port")
+        yield port, http
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _dump(http: int) -> set[int] | None:
+    """The block hashes Dynamo holds for worker 1 (None: not answering yet)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/dump", timeout=2) as r:
+            state = json.loads(r.read())
+    except OSError:
+        return None
+    held: set[int] = set()
+    for model in state.values():
+        for entry in model["events"]:
+            stored = entry["event"]["data"].get("stored")
+            if entry["worker_id"] == 1 and stored is not None:
+                held.update(b["block_hash"] for b in stored["blocks"])
+    return held
+
+
+def _store(h: int) -> KVEventBatch:
+    return KVEventBatch(0.0, [BlockStored([h], None, [h] * 4, 4, None, "GPU", None)])
+
+
+def _truth(batches: list[KVEventBatch]) -> set[int]:
+    model = SubscriberModel("dynamo")  # its parent rule: the parent held in the same medium
+    for b in batches:
+        for ev in b.events:
+            model.apply_event(ev)
+    return {h for (_, _, h) in model.held()}
+
+
+def run(indexer: tuple[int, int], loss_marker: str) -> tuple[set[int], set[int], Any]:
+    port, http = indexer
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        max_queue_size=3,
+        high_watermark=1,
+        stall_timeout=0,
+        loss_marker=loss_marker,
+    )
+    published: list[KVEventBatch] = []
+    try:
+        # Dynamo connects to the publisher: wait until it reads, then take the probe back
+        wait_for(
+            lambda: pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+            and pub.flush(5.0)
+            and PROBE in (_dump(http) or set()),
+            timeout=30,
+            what="Dynamo to read the stream",
+        )
+        pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+        i = 0
+        for phase in ("before", "loss", "after"):
+            batches = [step(j) for j in range(i, i + (23 if phase == "loss" else 31))]
+            i += len(batches)
+            published += batches
+            if phase == "loss":
+                with held(pub):  # the engine bursts while its sender cannot run
+                    outcomes = [pub.publish(b) for b in batches]
+                assert PublishOutcome.DROPPED in outcomes
+                assert pub.flush(10.0)
+            else:
+                for b in batches:
+                    assert pub.publish(b) is PublishOutcome.QUEUED
+                    assert pub.flush(10.0)
+        assert pub.flush(10.0)
+        pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
+        assert pub.flush(10.0)
+        wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
+        got = (_dump(http) or set()) - {SENTINEL}
+    finally:
+        pub.shutdown()
+    return got, _truth(published), pub.stats()
+
+
+def test_with_loss_markers_dynamo_forgets_and_keeps_nothing_stale(indexer):
+    got, want, st = run(indexer, "clear")
+    assert st.batches_dropped > 0 and st.loss_markers >= 1
+    assert got <= want, f"stale blocks in Dynamo's index: {sorted(got - want)}"
+    assert len(got) * 2 >= len(want), "it forgot the loss, then refilled"
+
+
+def test_with_gaps_dynamo_keeps_what_the_lost_batches_removed(indexer):
+    """Why the marker is the default: Dynamo has no replay and cannot know."""
+    got, want, st = run(indexer, "gap")
+    assert st.batches_dropped > 0 and st.seq_gaps >= 1
+    assert got - want, "the lost removals leave stale blocks"
