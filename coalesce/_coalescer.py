@@ -328,7 +328,13 @@ class Coalescer:
             )
             self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         self._stream = Stream.of_rank(
-            send, self._topic, self._buffer, Encoder(pid), rank, settings.loss_marker
+            send,
+            self._topic,
+            self._buffer,
+            Encoder(pid),
+            rank,
+            settings.loss_marker,
+            beats=self._snapshot is not None,
         )
         with open(spec["counters"], "r+b") as f:
             self._file = mmap.mmap(f.fileno(), _LAYOUT.size)

@@ -350,7 +350,13 @@ class Sender:
         self._rank = rank
         self._encoder = Encoder(publisher_id)
         self._stream = Stream.of_rank(
-            None, topic, buffer, self._encoder, rank, settings.loss_marker
+            None,
+            topic,
+            buffer,
+            self._encoder,
+            rank,
+            settings.loss_marker,
+            beats=publisher_id is not None and link is None,  # else the process beats
         )
         self._pub: zmq.Socket[bytes] | None = None
         self._send_message: SendMessage | None = None
@@ -1083,7 +1089,7 @@ class Sender:
             )
             self.snapshot.invalidate("the coalescer process and its recorder are gone")
             self._record = self.snapshot.record
-            self._heartbeat = True
+            self._heartbeat = self._stream.beats = True
         if socks.router is not None:
             self.replay = ReplayService.from_settings(
                 socks.router, self._buffer, self._topic, self._settings

@@ -51,6 +51,7 @@ class Stream:
         "_marker",
         "_send",
         "_topic",
+        "beats",
         "bytes_sent",
         "events_sent",
         "last_sent",
@@ -67,8 +68,12 @@ class Stream:
         buffer: ReplayBuffer,
         empty: Callable[[], bytes],
         marker: Callable[[], bytes] | None,
+        beats: bool = False,
     ) -> None:
-        self._send = send
+        self._send: SendMessage = send if send is not None else _no_socket
+        self.beats = beats
+        """Whether :attr:`last_sent` is kept for every message (the owner sends
+        heartbeats); else only markers and heartbeats set it."""
         self._topic = topic
         self._buffer = buffer
         self._empty = empty
@@ -91,9 +96,11 @@ class Stream:
         encoder: Encoder,
         rank: int,
         loss_marker: str,
+        beats: bool = False,
     ) -> Stream:
         """The stream of one DP rank's publisher: its empty batches and loss markers
-        are that rank's, encoded by ``encoder``; ``loss_marker`` is the setting."""
+        are that rank's, encoded by ``encoder``; ``loss_marker`` is the setting;
+        ``beats``: it sends heartbeats (keep :attr:`last_sent`)."""
         if loss_marker not in LOSS_MARKERS:
             raise ValueError(f"loss_marker must be one of {LOSS_MARKERS}, not {loss_marker!r}")
         cleared = [AllBlocksCleared()]
@@ -103,6 +110,7 @@ class Stream:
             buffer,
             empty=lambda: encoder.encode_now([], rank),
             marker=(lambda: encoder.encode_now(cleared, rank)) if loss_marker == "clear" else None,
+            beats=beats,
         )
 
     def use(self, send: SendMessage) -> None:
@@ -131,14 +139,26 @@ class Stream:
         self._lost = True
 
     def emit(self, payload: bytes, n_events: int) -> int:
-        """Send ``payload`` (after showing a pending loss); its seq."""
+        """Send ``payload`` (after showing a pending loss); its seq.  The hot path:
+        :meth:`_put`'s lines, inline."""
         if self._lost:
             self._show()
-        return self._put(payload, n_events)
+        seq = self.next_seq
+        self._send(self._topic, seq, payload)  # if it raises, the seq is still free
+        self.next_seq = seq + 1
+        self._buffer.append(seq, payload)
+        if self.beats:
+            self.last_sent = time.monotonic()
+        self.messages_sent += 1
+        self.events_sent += n_events
+        self.bytes_sent += len(payload)
+        return seq
 
     def heartbeat(self) -> None:
         """Send an empty batch (the idle publisher's heartbeat)."""
-        self.emit(self._empty(), 0)
+        if self._lost:
+            self._show()
+        self._put(self._empty(), 0)
 
     def covered(self) -> int:
         """The last seq taken, a pending loss shown first (so a snapshot cut at this
@@ -177,10 +197,9 @@ class Stream:
         self._lost = False
 
     def _put(self, payload: bytes, n_events: int) -> int:
+        """Send a marker or a heartbeat (:meth:`emit` holds the same lines)."""
         seq = self.next_seq
-        send = self._send
-        assert send is not None  # a stream is given its socket before its first message
-        send(self._topic, seq, payload)  # if it raises, the seq is still free
+        self._send(self._topic, seq, payload)
         self.next_seq = seq + 1
         self._buffer.append(seq, payload)
         self.last_sent = time.monotonic()
@@ -188,3 +207,7 @@ class Stream:
         self.events_sent += n_events
         self.bytes_sent += len(payload)
         return seq
+
+
+def _no_socket(topic: bytes, seq: int, payload: bytes) -> None:
+    raise RuntimeError("a stream is given its socket (use()) before its first message")

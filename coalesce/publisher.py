@@ -76,6 +76,12 @@ def _log_start(
             snapshot,
             pid.hex(),
         )
+        log.warning(
+            "kv-coalesce: with snapshots on, every payload has 4 elements: NVIDIA Dynamo's "
+            "indexer (1.6.1) rejects such batches and indexes nothing, and llm-d-router "
+            "(main, or with PR #2946) was not checked against them; vLLM's decoder and "
+            "coalesce.subscriber read them (docs/subscribers.md)"
+        )
     log.info(
         "kv-coalesce: compaction rules run in %s",
         "C (the optional accelerator)"

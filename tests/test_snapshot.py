@@ -434,3 +434,20 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             assert src.resets == 0
         if s.snapshot_exact:  # (a clear since any -2 made the state exact again)
             assert src.index.state() == truth(published)
+
+
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_turning_snapshots_on_warns_once_of_the_consumers_that_cannot_read_them(
+    caplog, snapshots
+):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="coalesce"):
+        p = CoalescingPublisher(
+            endpoint=inproc("pub"), snapshot_endpoint=inproc("snap") if snapshots else None
+        )
+        p.shutdown()
+    named = [r for r in caplog.records if "Dynamo" in r.getMessage()]
+    assert len(named) == (1 if snapshots else 0)
+    if snapshots:
+        assert named[0].levelno == logging.WARNING and "4 elements" in named[0].getMessage()

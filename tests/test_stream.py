@@ -131,3 +131,23 @@ def test_carrying_on_after_another_stream_starts_with_a_loss():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="loss_marker"):
         Stream.of_rank(None, b"", ReplayBuffer(1), Encoder(), 0, "drop")
+
+
+@pytest.mark.parametrize("beats", [True, False])
+def test_only_a_beating_stream_stamps_every_message(beats):
+    sent: list[tuple[int, bytes]] = []
+    stream = Stream.of_rank(
+        lambda t, s, p: sent.append((s, p)), b"", ReplayBuffer(4), Encoder(), 0, "clear", beats
+    )
+    stream.last_sent = 0.0
+    stream.emit(b"a", 1)
+    assert (stream.last_sent > 0.0) == beats
+    stream.heartbeat()  # a heartbeat always stamps
+    assert stream.last_sent > 0.0 and [s for s, _ in sent] == [0, 1]
+
+
+def test_a_stream_without_a_socket_says_so():
+    stream = Stream.of_rank(None, b"", ReplayBuffer(4), Encoder(), 0, "clear")
+    with pytest.raises(RuntimeError, match="socket"):
+        stream.emit(b"a", 1)
+    assert stream.next_seq == 0
