@@ -682,6 +682,10 @@ def run_demo(
 ) -> list[PublisherResult]:
     """Size the bursts (:func:`size_bursts`, unless ``size`` is False), run every
     publisher, print the table and what it shows, write JSON (and a PNG)."""
+    from coalesce_tools.host import describe, host
+
+    machine = host()
+    print(describe(machine))
     cap = None
     if size:
         cfg, cap = size_bursts(cfg, load)
@@ -713,6 +717,7 @@ def run_demo(
     with open(path, "w") as f:
         json.dump(
             {
+                "host": machine,
                 "config": asdict(cfg),
                 "max_queue_size": queue,
                 "load": load,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import signal
 import subprocess
@@ -100,6 +101,8 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
     assert any(line.startswith("stock") for line in lines)
     assert any(line.startswith("drop") for line in lines)
     data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["host"]["cores"] >= 1 and data["host"]["python"].split()[1] in run.stdout
+    assert lines[0].startswith("host: ")
     ours = {r["publisher"]: r for r in data["results"]}["coalesce"]
     assert ours["steps"] == 120 and ours["events_in"] > 0
     # the demo's timing varies with the machine; what may not vary: no silent divergence,
@@ -239,3 +242,14 @@ def test_demo_help_comes_from_the_tools_package():
     run = subprocess.run(cli("demo", "--help"), capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("usage: coalesce demo") and "--ranks" in run.stdout
+
+
+def test_the_host_is_recorded_with_what_runs_on_it():
+    from coalesce.compactor import accelerated
+    from coalesce_tools.host import describe, host
+
+    h = host()
+    assert h["cores"] == os.cpu_count() and h["c_compactor"] is accelerated()
+    assert h["stock_publisher"].startswith(("real vllm", "re-implemented"))
+    line = describe(h)
+    assert line.startswith(f"host: {h['cores']} cores") and h["cpu"] in line

@@ -1,0 +1,54 @@
+"""The host a run was made on, as every result the tools write records it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+__all__ = ["describe", "host"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host() -> dict[str, Any]:
+    """Cores, CPU, Python, which C accelerators run, and which vLLM publisher is
+    the stock one (the real class, or the re-implementation)."""
+    from coalesce import _recorder
+    from coalesce._wire import native_send
+    from coalesce.compactor import accelerated
+    from coalesce_tools.baselines import REAL_VLLM
+
+    vllm = "re-implemented (vllm not installed)"
+    if REAL_VLLM:
+        from importlib.metadata import version
+
+        vllm = f"real vllm {version('vllm')}"
+    return {
+        "cores": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "machine": platform.machine(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "c_compactor": accelerated(),
+        "c_recorder": _recorder._accel is not None,
+        "c_send": native_send(),
+        "stock_publisher": vllm,
+    }
+
+
+def describe(h: dict[str, Any]) -> str:
+    """One line for the top of a run's output."""
+    built = [name for name in ("c_compactor", "c_recorder", "c_send") if h[name]]
+    return (
+        f"host: {h['cores']} cores, {h['cpu']}, {h['python']}; C accelerators: "
+        f"{', '.join(built) if built else 'none'}; stock publisher: {h['stock_publisher']}"
+    )
