@@ -68,50 +68,6 @@ static inline int long_u64(PyObject *h, uint64_t *out) {
     }
     *out = (uint64_t)x;
     return 1;
-/* Layout probes, exported by both modules for coalesce/_layout.py, which runs
- * them at import against objects whose fields it knows: if msgspec or CPython
- * ever lay these out differently, the accelerators are not used. */
-
-/* fields_at(obj, names) -> tuple: each field as FIELD() reads it at the offset
- * member_offset() finds (None for an unset slot, NotImplemented for no offset). */
-static PyObject *cs_fields_at(PyObject *self, PyObject *args) {
-    PyObject *obj, *names;
-    if (!PyArg_ParseTuple(args, "OO!", &obj, &PyTuple_Type, &names)) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(names);
-    PyObject *out = PyTuple_New(n);
-    if (out == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t off = member_offset(Py_TYPE(obj), PyTuple_GET_ITEM(names, i));
-        PyObject *v = off < 0 ? Py_NotImplemented : FIELD(obj, off);
-        if (v == NULL) v = Py_None;
-        Py_INCREF(v);
-        PyTuple_SET_ITEM(out, i, v);
-    }
-    return out;
-}
-
-/* u64(x) -> int | None: an exact int as long_u64() reads it (None: not one). */
-static PyObject *cs_u64(PyObject *self, PyObject *x) {
-    uint64_t v;
-    if (!PyLong_CheckExact(x) || !long_u64(x, &v)) Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong((unsigned long long)v);
-}
-
-/* How many times this module released the GIL (a deterministic view of it for
- * the tests: no thread scheduling to observe). */
-static unsigned long long cs_gil_releases_count = 0;
-
-static PyObject *cs_gil_releases(PyObject *self, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong(cs_gil_releases_count);
-}
-
-#define CSTRUCT_METHODS                                                                      \
-    {"fields_at", cs_fields_at, METH_VARARGS,                                                \
-     "fields_at(obj, names) -> tuple: the fields as the C code reads them (layout probe)."}, \
-        {"u64", cs_u64, METH_O, "u64(x) -> int | None: x as the C code reads a hash."},      \
-        {"gil_releases", cs_gil_releases, METH_NOARGS,                                       \
-         "gil_releases() -> int: how many times this module has released the GIL."},
-
 #endif
 }
 
