@@ -121,7 +121,7 @@ class Stream:
         """Go on after another stream of the same publisher (a coalescer process that
         has gone): its seq and counters, and a loss, since what it held is lost."""
         self.next_seq = counters["next_seq"]
-        for name in ("messages_sent", "events_sent", "bytes_sent", "seq_gaps", "loss_markers"):
+        for name in self.published():
             setattr(self, name, counters[name])
         self._lost = True
 
