@@ -69,6 +69,10 @@ PIPE_TIMEOUT = 10.0
 """Seconds the sender waits for room in a coalescer process's pipe before it stops
 that process and publishes from the engine's process itself."""
 
+RESYNC_SHARE = 4
+"""A resync starts only while the recorder holds at most 1/RESYNC_SHARE of the event
+budget in blocks: what it sends after a loss is bounded by what the budget absorbs."""
+
 SERVICE_POLL = 0.001
 """Seconds between looks at the replay and snapshot sockets while neither is
 serving a reply.  A look (``ZMQ_EVENTS``) makes libzmq process its command
@@ -233,6 +237,8 @@ class Totals:
     events_superseded: int = 0
     fold_only_passes: int = 0
     payload_passes: int = 0
+    resync_events: int = 0
+    resyncs: int = 0
     rules_skipped: int = 0
 
     def add_pass(self, report: Any, fold_only: bool) -> None:
@@ -380,11 +386,11 @@ class Sender:
         self._publisher_id = publisher_id
         self.limited = RateLimited()
         self.totals = Totals()
-        self.loss_told = (
-            "subscribers are sent a loss marker (AllBlocksCleared)"
-            if settings.loss_marker == "clear"
-            else "subscribers will see a sequence gap"
-        )
+        self.loss_told = {
+            "clear": "subscribers are sent a loss marker (AllBlocksCleared)",
+            "resync": "subscribers are sent a loss marker (AllBlocksCleared), then the state",
+            "gap": "subscribers will see a sequence gap",
+        }[settings.loss_marker]
         """What a loss's log line says subscribers learn (``loss_marker``; the facade's
         drop warning says it too)."""
         self._level = Level.ONE_TO_ONE
@@ -513,7 +519,10 @@ class Sender:
                         did = True
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout
-            if len(backlog):
+            if snapshot is not None and snapshot.resyncing:  # before any later batch
+                self._resync_step(snapshot)
+                did = True
+            elif len(backlog):
                 if deadline is not None and time.monotonic() > deadline:
                     self._abandon("shutdown timeout")
                     break
@@ -915,6 +924,40 @@ class Sender:
                 snapshot.record(b, keep_gil)
             if marker.overflow:
                 snapshot.invalidate("more batches refused than the record bound keeps")
+            if (
+                self._settings.loss_marker == "resync"
+                and snapshot.recorder.held * RESYNC_SHARE <= self._backlog.max_events
+            ):
+                snapshot.start_resync()  # (not while it is inexact, or a reply is built)
+
+    def _resync_step(self, snapshot: SnapshotService) -> None:
+        """Send the next chunk of an in-band resync: the recorder's state after a loss
+        marker, a chunk (at most CHUNK_BLOCKS blocks) a step, before any later batch.
+        One cut short (shutdown, or a recorded event that does not rebuild) may have
+        sent an ancestor the state does not hold: another marker follows it."""
+        if self.closed:
+            snapshot.abandon_resync()
+            self._stream.lose()
+            return
+        try:
+            chunk = snapshot.resync_chunk()
+            payload = None if chunk is None else self._encoder.encode_now(chunk, self._rank)
+        except Exception as exc:
+            snapshot.abandon_resync()
+            self._stream.lose()
+            self.limited.warning(
+                "resync",
+                "kv-coalesce: a resync was cut short (%s: %.200s); %s",
+                type(exc).__name__,
+                exc,
+                self.loss_told,
+            )
+            return
+        if chunk is None or payload is None:
+            self.totals.resyncs += 1
+            return
+        self._emit(payload, len(chunk))
+        self.totals.resync_events += len(chunk)
 
     def _maybe_yield(self) -> None:
         """Hand the GIL to the engine if the sender has held it for its slice

@@ -78,8 +78,8 @@ def _coalescer(raw: Any) -> str:
 
 def _loss_marker(raw: Any) -> str:
     text = str(raw).strip().lower()
-    if text not in ("clear", "gap"):
-        raise ValueError("expected clear or gap")
+    if text not in ("clear", "resync", "gap"):
+        raise ValueError("expected clear, resync or gap")
     return text
 
 
@@ -124,8 +124,11 @@ class Settings:
     """How a loss (a batch refused past the budget, or one that cannot be encoded) is
     told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
     holding one ``AllBlocksCleared``, so the sequence has no hole and every consumer
-    forgets this rank's blocks (never keeps stale ones); ``gap``: it skips a seq,
-    which consumers with replay treat as they each do (docs/subscribers.md)."""
+    forgets this rank's blocks (never keeps stale ones); ``resync``: that marker,
+    then the state the publisher's recorder holds, sent in-band before any later
+    batch, so every consumer ends exact (it runs the snapshot recorder, with or
+    without ``snapshot_endpoint``); ``gap``: it skips a seq, which consumers with
+    replay treat as they each do (docs/subscribers.md)."""
     stall_timeout: float = _knob(1.0, _seconds)
     """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
     sender takes nothing from it before publish() refuses batches on that count; 0

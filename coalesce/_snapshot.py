@@ -13,6 +13,13 @@ goes on between steps; the recorder is frozen meanwhile, and the batches it
 should record wait in a deferred list, applied once the reply is built.
 Requests that arrive while a reply is being built wait for the next one,
 which starts from the newer state.  Nothing here touches ``publish()``.
+
+With ``loss_marker="resync"`` the same recorder also feeds an *in-band
+resync*: after a loss marker, the sender sends the recorder's state on the
+live socket, a chunk per step (:meth:`SnapshotService.start_resync`,
+:meth:`SnapshotService.resync_chunk`), before any later batch; the recorder
+is frozen meanwhile, as for a reply.  Without a snapshot endpoint the service
+has no ROUTER and serves only that.
 """
 
 from __future__ import annotations
@@ -65,9 +72,9 @@ class SnapshotService:
 
     def __init__(
         self,
-        sock: zmq.Socket[bytes],
+        sock: zmq.Socket[bytes] | None,
         recorder: AnyRecorder,
-        publisher_id: bytes,
+        publisher_id: bytes | None,
         rank: int,
         *,
         max_response_bytes: int,
@@ -84,6 +91,7 @@ class SnapshotService:
         self._max_waiting = max_waiting
         self._waiting: list[list[bytes]] = []
         self._round: _Round | None = None
+        self._resync: Generator[list[Any], None, None] | None = None
         self._deferred: deque[Any] = deque()
         self._deferred_events = 0
         self.requests = 0
@@ -97,7 +105,11 @@ class SnapshotService:
 
     @classmethod
     def from_settings(
-        cls, sock: zmq.Socket[bytes], publisher_id: bytes, rank: int, settings: Settings
+        cls,
+        sock: zmq.Socket[bytes] | None,
+        publisher_id: bytes | None,
+        rank: int,
+        settings: Settings,
     ) -> SnapshotService:
         """The service, with a new recorder, sized by the publisher's knobs."""
         return cls(
@@ -143,14 +155,17 @@ class SnapshotService:
         ``keep_gil``: the C recorder holds the GIL throughout (the sender asks
         for it near the event budget, where the engine must go at its pace).
         """
-        if self._round is None:
+        if self._round is None and self._resync is None:
             self._record(batch, keep_gil)
             return
         self._deferred.append(batch)
         with contextlib.suppress(Exception):  # the recorder will find it out
             self._deferred_events += len(batch.events)
         if self._deferred_events > self._max_deferred:
-            self._finish(UNAVAILABLE, "the live stream outran it")
+            if self._round is not None:
+                self._finish(UNAVAILABLE, "the live stream outran it")
+            else:
+                self.abandon_resync()
 
     def invalidate(self, reason: str) -> None:
         """Batches were lost before reaching the recorder: it cannot be exact."""
@@ -182,16 +197,55 @@ class SnapshotService:
         """A reply is being built, or requests wait."""
         return self._round is not None or bool(self._waiting)
 
+    # -- the in-band resync -----------------------------------------------------------
+
+    @property
+    def resyncing(self) -> bool:
+        """A resync is under way: its chunks go out before any later batch."""
+        return self._resync is not None
+
+    def start_resync(self) -> bool:
+        """Begin a resync of the recorder's state (after a loss marker).  False, and
+        nothing begun, while the recorder is not exact or a reply is being built."""
+        if self._resync is not None or self._round is not None or not self.recorder.valid:
+            return False
+        self._resync = self.recorder.chunks()
+        return True
+
+    def resync_chunk(self) -> list[Any] | None:
+        """The resync's next chunk of events (stores, parents first; then removals
+        of ancestors no key holds), or None once it has ended.  O(chunk).  Raises
+        (the resync then ended) when a recorded event does not rebuild."""
+        walk = self._resync
+        assert walk is not None
+        try:
+            chunk = next(walk, None)
+        except Exception:
+            self.abandon_resync()
+            raise
+        if chunk is None:
+            self.abandon_resync()  # ended: the same clean-up
+        return chunk
+
+    def abandon_resync(self) -> None:
+        """End the resync now (whole or not) and let the recorder catch up."""
+        walk, self._resync = self._resync, None
+        if walk is not None:
+            walk.close()
+        self._catch_up()
+
     def step(self, covered_seq: Callable[[], int]) -> bool:
         """Read requests; start a reply, or build one more chunk of it.  Never blocks.
 
         ``covered_seq()`` names the last message the recorder's state covers
         (it may show a pending loss first).  Returns True if it did anything.
         """
+        if self._sock is None:
+            return False  # no ROUTER: this service only feeds resyncs
         did = read_requests(self._sock, self._request)
         rnd = self._round
         if rnd is None:
-            if not self._waiting:
+            if not self._waiting or self._resync is not None:  # (one walk at a time)
                 return did
             clients, self._waiting = self._waiting, []
             if not self.recorder.valid:
@@ -242,6 +296,10 @@ class SnapshotService:
             self._reply(rnd.clients, UNAVAILABLE, [])
         else:
             self._reply(rnd.clients, seq, rnd.frames)
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Record what waited while the recorder was frozen."""
         deferred, self._deferred, self._deferred_events = self._deferred, deque(), 0
         for batch in deferred:
             self._record(batch)
@@ -251,19 +309,24 @@ class SnapshotService:
         if self._round is not None:
             self._round.chunks.close()
             self._round = None
+        if self._resync is not None:
+            self._resync.close()
+            self._resync = None
         self._deferred.clear()
-        self._sock.close(linger=0)
+        if self._sock is not None:
+            self._sock.close(linger=0)
 
     def _reply(self, clients: list[list[bytes]], seq: int, frames: list[bytes]) -> None:
         head = seq.to_bytes(8, "big", signed=True)
-        sock = self._sock
+        sock, pid = self._sock, self._id
+        assert sock is not None and pid is not None  # only a ROUTER's requests get replies
         for envelope in clients:
             try:
                 sock.send(envelope[0], _MORE | _NOBLOCK)  # routing and the HWM: this frame
                 for part in envelope[1:]:
                     sock.send(part, _MORE)
                 sock.send(head, _MORE)
-                sock.send(self._id, _MORE if frames else 0)
+                sock.send(pid, _MORE if frames else 0)
                 for i, frame in enumerate(frames):
                     sock.send(frame, _MORE if i + 1 < len(frames) else 0, copy=False)
             except zmq.ZMQError:

@@ -32,8 +32,9 @@ from coalesce.events import AllBlocksCleared
 
 __all__ = ["LOSS_MARKERS", "Stream"]
 
-LOSS_MARKERS = ("clear", "gap")
-"""How a loss is shown on the wire: a marker message (``clear``) or a skipped seq."""
+LOSS_MARKERS = ("clear", "resync", "gap")
+"""How a loss is shown on the wire: a marker message (``clear``; ``resync``, whose
+state after it the sender sends) or a skipped seq (``gap``)."""
 
 
 class Stream:
@@ -109,7 +110,7 @@ class Stream:
             topic,
             buffer,
             empty=lambda: encoder.encode_now([], rank),
-            marker=(lambda: encoder.encode_now(cleared, rank)) if loss_marker == "clear" else None,
+            marker=(lambda: encoder.encode_now(cleared, rank)) if loss_marker != "gap" else None,
             beats=beats,
         )
 

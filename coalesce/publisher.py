@@ -114,6 +114,8 @@ def _process_supported(endpoints: tuple[str | None, ...], settings: Settings) ->
         why = "inproc endpoints live in one process"
     elif settings.move_events:
         why = "BlockMoved events come from the rules on the event objects"
+    elif settings.loss_marker == "resync":
+        why = "an in-band resync is sent by the sender thread"
     if why is None:
         return True
     log.warning("kv-coalesce: coalescer=process is not available (%s): using a thread", why)
@@ -246,17 +248,19 @@ class CoalescingPublisher:
         )
         # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
         batch_budget = max_queue_size or sys.maxsize
-        # with snapshots on, batches refused over budget still reach the recorder, up
-        # to twice the event budget per loss (then it is unavailable until a clear)
+        # with a recorder (snapshots, or resyncs), batches refused over budget still
+        # reach it, up to twice the event budget per loss (then it is unavailable
+        # until a clear)
+        resyncs = link is None and st.loss_marker == "resync"
+        records = snap_ep is not None or resyncs
         self._backlog = Backlog(
             batch_budget,
             self.settings.max_pending_events,
             self.settings.stall_timeout,
-            record_events=0 if snap_ep is None else 2 * self.settings.max_pending_events,
+            record_events=2 * self.settings.max_pending_events if records else 0,
         )
         snapshot = None
-        if snap_sock is not None:
-            assert self.publisher_id is not None
+        if snap_sock is not None or resyncs:
             snapshot = SnapshotService.from_settings(
                 snap_sock, self.publisher_id, data_parallel_rank, self.settings
             )

@@ -48,6 +48,10 @@ class PublisherStats:
     loss_markers: int = _counter(
         "Loss markers sent: AllBlocksCleared batches, each in place of a loss (loss_marker=clear)."
     )
+    resyncs: int = _counter(
+        "In-band resyncs sent whole after a loss marker (loss_marker=resync)."
+    )
+    resync_events: int = _counter("Events those resyncs sent (stores of the recorded state).")
     messages_sent: int = _counter("ZMQ messages (batches) sent on the PUB socket.")
     events_sent: int = _counter("Events in those messages.")
     bytes_sent: int = _counter("Payload bytes sent (the third frame only).")

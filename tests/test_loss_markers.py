@@ -55,7 +55,10 @@ class FrozenClock:
         return 1000.0
 
 
-def run(loss_marker: str) -> tuple[LlmdRulesConsumer, set[Any], CoalescingPublisher]:
+def run(
+    loss_marker: str, after: int = 31
+) -> tuple[LlmdRulesConsumer, set[Any], CoalescingPublisher]:
+    """31 steps, 23 with the sender held (most refused), then ``after`` steps."""
     port, rport = free_port(), free_port()
     pub = CoalescingPublisher(
         endpoint=f"tcp://*:{port}",
@@ -80,12 +83,13 @@ def run(loss_marker: str) -> tuple[LlmdRulesConsumer, set[Any], CoalescingPublis
                 i += 23
                 assert pub.flush(10.0)
                 continue
-            for j in range(i, i + 31):
+            n = 31 if phase == "before" else after
+            for j in range(i, i + n):
                 assert pub.publish(step(j)) is PublishOutcome.QUEUED
                 published.append(step(j))
                 assert pub.flush(10.0)
                 consumer.poll(0.001)
-            i += 31
+            i += n
         last = pub.stats().messages_sent + pub.stats().seq_gaps - 1
         wait_for(
             lambda: consumer.poll(0.01) >= 0 and consumer.last_live_seq == last,
@@ -155,3 +159,83 @@ def test_the_policy_comes_from_the_environment_too(monkeypatch, value):
 
     monkeypatch.setenv("COALESCE_LOSS_MARKER", value)
     assert Settings.resolve().loss_marker == value.strip().lower()
+
+
+@pytest.mark.parametrize("loss_marker", ["clear", "resync"])
+def test_an_in_band_resync_leaves_llmd_with_the_whole_truth(loss_marker):
+    """``loss_marker="resync"``: after the marker the publisher sends the state its
+    recorder holds, before any later batch, so the consumer ends exact at once
+    (with the marker alone, two steps after the loss it holds what they stored)."""
+    consumer, want, pub = run(loss_marker, after=2)
+    if loss_marker == "clear":
+        assert consumer.held() < want and pub.stats().resyncs == 0
+        return
+    st = pub.stats()
+    assert st.batches_dropped > 0 and st.loss_markers >= 1 and st.resyncs == st.loss_markers
+    assert st.resync_events > 0 and st.snapshot_exact
+    assert consumer.incomplete_replays == 0 and consumer.resets == 0
+    assert consumer.held() == want
+
+
+def test_a_resync_is_the_recorded_state_between_the_marker_and_the_next_batch(make_sub):
+    """On the wire: the batches before the loss, the marker, the state (every store
+    of it; ancestors it no longer holds stored, then removed), then the batch
+    accepted after the loss; nothing else."""
+    from tests.conftest import decode, inproc
+
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    pub = CoalescingPublisher(
+        endpoint=ep, max_queue_size=3, high_watermark=100, stall_timeout=0, loss_marker="resync"
+    )
+    try:
+        published = [step(i) for i in range(20)]
+        with held(pub):
+            outcomes = [pub.publish(b) for b in published]
+        assert outcomes.count(PublishOutcome.QUEUED) == 3
+        assert pub.flush(10.0)
+        after = step(20)
+        assert pub.publish(after) is PublishOutcome.QUEUED
+        assert pub.flush(10.0)
+        st = pub.stats()
+        msgs = sub.recv_until_seq(st.messages_sent - 1)
+    finally:
+        pub.shutdown()
+    batches = [decode(m[2]) for m in msgs]
+    assert [m[1] for m in msgs] == list(range(len(msgs)))
+    assert batches[3].events == [AllBlocksCleared()], "the marker follows the 3 accepted"
+    resync = [e for b in batches[4:-1] for e in b.events]
+    assert sum(len(b.events) for b in batches[4:-1]) == st.resync_events
+    assert batches[-1].events == after.events, "the next batch comes after the state"
+    state = SubscriberModel("llmd")
+    state.apply_batches([KVEventBatch(0.0, resync)])
+    assert state.held() == truth(published), "the state of every published batch"
+    assert st.resyncs == 1
+
+
+def test_no_resync_when_the_state_is_large_against_the_budget(make_sub):
+    """A resync sends at most a quarter of the event budget: past it, the marker alone."""
+    from tests.conftest import inproc
+
+    ep = inproc("pub")
+    make_sub(ep)
+    pub = CoalescingPublisher(
+        endpoint=ep,
+        max_queue_size=3,
+        stall_timeout=0,
+        max_pending_events=40,  # a quarter: 10 blocks; the state below holds 12
+        loss_marker="resync",
+    )
+    try:
+        for i in range(30):
+            assert pub.publish(step(i)) is PublishOutcome.QUEUED
+            assert pub.flush(10.0)
+        with held(pub):
+            assert PublishOutcome.DROPPED in [pub.publish(step(i)) for i in range(30, 40)]
+        assert pub.flush(10.0)
+        assert pub.publish(step(40)) is PublishOutcome.QUEUED
+        assert pub.flush(10.0)
+        st = pub.stats()
+    finally:
+        pub.shutdown()
+    assert st.loss_markers == 1 and st.resyncs == 0 and st.resync_events == 0

@@ -10,6 +10,7 @@ worker, then refills from the stores that follow.  Its state is read from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -35,6 +36,12 @@ PROBE, SENTINEL = 900_001, 900_002  # hashes the workload never uses
 
 @pytest.fixture
 def indexer() -> Iterator[tuple[int, int]]:
+    with _indexer() as ports:
+        yield ports
+
+
+@contextlib.contextmanager
+def _indexer() -> Iterator[tuple[int, int]]:
     """A Dynamo indexer following worker 1 on a fresh port: (zmq port, http port)."""
     port, http = free_port(), free_port()
     proc = subprocess.Popen(
@@ -90,7 +97,11 @@ def _truth(batches: list[KVEventBatch]) -> set[int]:
     return {h for (_, _, h) in model.held()}
 
 
-def run(indexer: tuple[int, int], loss_marker: str) -> tuple[set[int], set[int], Any]:
+def run(
+    indexer: tuple[int, int], loss_marker: str, after: int = 31, lossy: bool = True
+) -> tuple[set[int], set[int], Any]:
+    """31 steps, 23 with the sender held (most refused; all sent if not ``lossy``),
+    then ``after`` steps: (what Dynamo holds, the model's truth, the stats)."""
     port, http = indexer
     pub = CoalescingPublisher(
         endpoint=f"tcp://*:{port}",
@@ -112,10 +123,11 @@ def run(indexer: tuple[int, int], loss_marker: str) -> tuple[set[int], set[int],
         pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
         i = 0
         for phase in ("before", "loss", "after"):
-            batches = [step(j) for j in range(i, i + (23 if phase == "loss" else 31))]
+            n = {"before": 31, "loss": 23, "after": after}[phase]
+            batches = [step(j) for j in range(i, i + n)]
             i += len(batches)
             published += batches
-            if phase == "loss":
+            if phase == "loss" and lossy:
                 with held(pub):  # the engine bursts while its sender cannot run
                     outcomes = [pub.publish(b) for b in batches]
                 assert PublishOutcome.DROPPED in outcomes
@@ -146,3 +158,17 @@ def test_with_gaps_dynamo_keeps_what_the_lost_batches_removed(indexer):
     got, want, st = run(indexer, "gap")
     assert st.batches_dropped > 0 and st.seq_gaps >= 1
     assert got - want, "the lost removals leave stale blocks"
+
+
+def test_with_an_in_band_resync_dynamo_ends_as_with_the_plain_stream(indexer):
+    """Two steps after the loss: the marker alone has left it only what they stored;
+    the resync sent after it restored the rest, as Dynamo holds it from a stream
+    that lost nothing (a second indexer, the same batches, all sent)."""
+    got, _, st = run(indexer, "resync", after=2)
+    assert st.batches_dropped > 0 and st.resyncs >= 1 and st.resync_events > 0
+    with _indexer() as other:
+        plain, _, st_plain = run(other, "resync", after=2, lossy=False)
+    assert st_plain.batches_dropped == 0
+    assert got == plain
+    cleared, _, _ = run(indexer, "clear", after=2)  # the same indexer: marker alone
+    assert cleared < plain
