@@ -78,6 +78,7 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_compact.py
 	$(BIN)/python benchmarks/bench_recorder.py
+	$(BIN)/python benchmarks/bench_resync.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so
