@@ -10,12 +10,19 @@ code instead when they disagree.  O(fields of the probe objects).
 
 from __future__ import annotations
 
+import importlib
+import logging
 from types import ModuleType
 from typing import Any
 
+import msgspec
+
+from coalesce._env import NO_ACCEL, switched_on
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-__all__ = ["layout_problem"]
+__all__ = ["layout_problem", "load_accelerator"]
+
+log = logging.getLogger("coalesce")
 
 _HASHES = (0, 1, 2**30 - 1, 2**30, 2**60 + 3, 2**63, 2**64 - 1, 2**64, 2**90, -1)
 """Block hashes across CPython's digit boundaries, and three that are not u64."""
@@ -58,3 +65,26 @@ def layout_problem(accel: ModuleType) -> str | None:
     except Exception as exc:  # a module without the probes, or one that fails them
         return f"the layout probe failed ({type(exc).__name__}: {exc})"
     return None
+
+
+def load_accelerator(name: str, instead: str) -> ModuleType | None:
+    """``coalesce.<name>``, a C accelerator, where it is built, not switched off
+    (``COALESCE_NO_ACCEL``) and reads objects as it assumes; else None, with one
+    WARNING when it was built but misreads them (``instead``: what runs then)."""
+    if switched_on(NO_ACCEL):
+        return None
+    try:
+        accel = importlib.import_module(f"coalesce.{name}")
+    except ImportError:
+        return None
+    why = layout_problem(accel)
+    if why is not None:
+        log.warning(
+            "kv-coalesce: coalesce.%s is not used; %s (msgspec %s): %s",
+            name,
+            instead,
+            msgspec.__version__,
+            why,
+        )
+        return None
+    return accel

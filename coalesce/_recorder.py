@@ -31,38 +31,19 @@ which it is exact again.
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
 from typing import Any, ClassVar, TypeAlias
 
-import msgspec
-
 from coalesce import _layout
-from coalesce._env import NO_ACCEL, switched_on
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 
 __all__ = ["AnyRecorder", "Recorder", "new_recorder"]
 
-_accel: ModuleType | None
+_accel: ModuleType | None = _layout.load_accelerator("_crecord", "the same recorder runs in Python")
 """The optional C state (coalesce/_crecord.c), or None: not built, or disabled
 by setting ``COALESCE_NO_ACCEL=1``."""
-try:
-    if switched_on(NO_ACCEL):
-        raise ImportError("disabled by COALESCE_NO_ACCEL")
-    from coalesce import _crecord
-
-    _accel = _crecord
-except ImportError:
-    _accel = None
-if _accel is not None and (_why := _layout.layout_problem(_accel)) is not None:
-    logging.getLogger("coalesce").warning(
-        "kv-coalesce: the C recorder is not used; the recorder runs in Python (msgspec %s): %s",
-        msgspec.__version__,
-        _why,
-    )
-    _accel = None
 
 CHUNK_BLOCKS = 256
 """Blocks per snapshot chunk (one ``KVEventBatch``): bounds the work of one step."""

@@ -52,7 +52,6 @@ encoding (``msgspec.Raw``), never built as lists.
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -63,7 +62,6 @@ from typing import Any
 import msgspec
 
 from coalesce import _layout
-from coalesce._env import NO_ACCEL, switched_on
 from coalesce._kinds import (
     CLEARED,
     OPAQUE,
@@ -76,24 +74,9 @@ from coalesce._kinds import (
 )
 from coalesce.events import BlockMoved, BlockStored
 
-_accel: ModuleType | None
+_accel: ModuleType | None = _layout.load_accelerator("_ccompact", "the same rules run in Python")
 """The optional C accelerator (coalesce/_ccompact.c), or None: not built, or
 disabled by setting ``COALESCE_NO_ACCEL=1``.  Either way the results are the same."""
-try:
-    if switched_on(NO_ACCEL):
-        raise ImportError("disabled by COALESCE_NO_ACCEL")
-    from coalesce import _ccompact
-
-    _accel = _ccompact
-except ImportError:
-    _accel = None
-if _accel is not None and (_why := _layout.layout_problem(_accel)) is not None:
-    logging.getLogger("coalesce").warning(
-        "kv-coalesce: the C compactor is not used; the same rules run in Python (msgspec %s): %s",
-        msgspec.__version__,
-        _why,
-    )
-    _accel = None
 
 __all__ = [
     "CompactionReport",
