@@ -382,7 +382,6 @@ class Sender:
         )
         self.snapshot = snapshot
         self._record = None if snapshot is None else snapshot.record
-        self._heartbeat = publisher_id is not None and link is None  # else the process beats
         self._publisher_id = publisher_id
         self.limited = RateLimited()
         self.totals = Totals()
@@ -542,7 +541,7 @@ class Sender:
                 self._fall_back()
                 continue
             if (
-                self._heartbeat
+                self._stream.beats  # (snapshots on, and no coalescer process beating)
                 and not self.closed
                 and time.monotonic() - self._stream.last_sent >= HEARTBEAT
             ):
@@ -1132,7 +1131,7 @@ class Sender:
             )
             self.snapshot.invalidate("the coalescer process and its recorder are gone")
             self._record = self.snapshot.record
-            self._heartbeat = self._stream.beats = True
+            self._stream.beats = True
         if socks.router is not None:
             self.replay = ReplayService.from_settings(
                 socks.router, self._buffer, self._topic, self._settings
