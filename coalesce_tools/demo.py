@@ -97,11 +97,15 @@ class PublisherResult:
     resets: int = 0
     recovered: int = 0
     """Gaps the subscriber healed with a snapshot instead of a reset (coalesce+snap)."""
+    markers: int = 0
+    """Loss markers the publishers sent (coalesce): each made the subscriber forget a
+    rank (coalesce+snap: then heal it from a snapshot)."""
     missing: int = 0
     stale: int = 0
     silent: int = 0
-    """Missing + stale blocks on sources where the subscriber saw no gap and no reset:
-    the corruption nobody can know about."""
+    """Wrong blocks nobody can know about: stale ones on ranks where the subscriber
+    saw no gap and no reset, and missing ones there unless a loss marker told it to
+    forget (then it knows it may lack blocks, and it never keeps stale ones)."""
     truth_blocks: int = 0
     replayed_messages: int = 0
     """Messages the publishers re-sent to replay clients."""
@@ -361,6 +365,7 @@ def _engine_main(
             "events_accepted": sum(map(len, kept)),
             "bytes_accepted": sum(len(enc.encode(KVEventBatch(0.0, e, rank))) for e in kept),
             "dropped": accepted.count(False),
+            "markers": pub.stats().loss_markers if hasattr(pub, "stats") else 0,
             "blocked": blocked,
             "truth": sorted(engine.truth()),
             "timeline": timeline,
@@ -503,7 +508,10 @@ def run_publisher(
         res.missing += len(truth - held)
         res.stale += len(held - truth)
         if not subscriber["gaps"][rank] and not subscriber["resets"][rank]:
-            res.silent += len(truth ^ held)  # the subscriber has no reason to doubt it
+            res.silent += len(held - truth)  # the subscriber has no reason to doubt it
+            if not r["markers"]:  # (after a marker it knows it forgot)
+                res.silent += len(truth - held)
+        res.markers += r["markers"]
         res.truth_blocks += len(truth)
         res.engine_wall_s = max(res.engine_wall_s, r["wall"])
         res.publish_total_ms += r["lat_total_ms"]
@@ -543,9 +551,10 @@ _COLUMNS = (
     ("gaps", "sequence gaps the subscriber saw"),
     ("resets", "times the subscriber reset a rank's index (it knew it was wrong)"),
     ("recovered", "gaps the subscriber healed with a snapshot instead (coalesce+snap)"),
+    ("markers", "loss markers sent: each made the subscriber forget a rank (coalesce)"),
     ("missing", "blocks an engine holds that the subscriber lacks, at the end"),
     ("stale", "blocks the subscriber holds that no engine holds, at the end"),
-    ("silent", "missing + stale on ranks with no gap and no reset: wrong, and nobody knows"),
+    ("silent", "stale, and missing with no marker, on ranks with no gap or reset: unknown"),
     ("pub MB", "memory an engine process added once its publisher existed, replay buffer included"),
 )
 
@@ -572,6 +581,7 @@ def _table(results: list[PublisherResult]) -> str:
                 f"{r.gaps_seen}",
                 f"{r.resets}",
                 f"{r.recovered}",
+                f"{r.markers}",
                 f"{r.missing:,}",
                 f"{r.stale:,}",
                 f"{r.silent:,}",
@@ -612,11 +622,22 @@ def conclusions(results: list[PublisherResult]) -> list[str]:
                 f"lost {r.dropped:,} batches with no gap: the subscriber ended with "
                 f"{r.silent:,} wrong blocks it cannot know about"
             )
-        elif r.dropped and r.recovered and not (r.missing or r.stale):
+        elif r.dropped and not (r.missing or r.stale):
+            how = (
+                "healed from snapshots"
+                if r.recovered or r.publisher.endswith("+snap")
+                else "forgot the rank and refilled"
+            )
             loss = (
-                f"dropped {r.dropped:,} batches, every loss visible, and its subscriber "
-                f"healed all {r.recovered} gaps from snapshots: it ended with every "
+                f"dropped {r.dropped:,} batches, every loss told ({r.markers} loss markers, "
+                f"{r.gaps_seen} gaps), and its subscriber {how}: it ended with every "
                 "engine's true state"
+            )
+        elif r.dropped and r.markers and not r.stale:
+            loss = (
+                f"dropped {r.dropped:,} batches, each loss told by a loss marker: the "
+                f"subscriber forgot that rank and refilled ({r.missing:,} blocks missing at "
+                "the end, none stale)"
             )
         elif r.dropped or r.missing or r.stale:
             loss = (

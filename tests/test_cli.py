@@ -108,7 +108,8 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
     # the demo's timing varies with the machine; what may not vary: no silent divergence,
     # and a subscriber whose index is wrong knows it (it reset that source)
     assert ours["silent"] == 0
-    assert ours["missing"] + ours["stale"] == 0 or ours["resets"] > 0
+    assert ours["stale"] == 0 or ours["resets"] > 0
+    assert ours["missing"] == 0 or ours["resets"] > 0 or ours["markers"] > 0
     assert ours["events_on_wire"] <= ours["events_in"]
     snap = {r["publisher"]: r for r in data["results"]}["coalesce+snap"]
     assert snap["silent"] == 0 and snap["steps"] == 120
