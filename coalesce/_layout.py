@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from coalesce._env import NO_ACCEL, switched_on
-from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from coalesce.events import BlockMoved, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["layout_problem", "load_accelerator"]
 
@@ -29,25 +29,10 @@ _HASHES = (0, 1, 2**30 - 1, 2**30, 2**60 + 3, 2**63, 2**64 - 1, 2**64, 2**90, -1
 
 
 def _probes() -> list[Any]:
-    """One object of each kind the C code reads, every field a distinct object."""
-    stored = BlockStored(
-        block_hashes=[2**63 + 1, 7],
-        parent_block_hash=2**40 + 5,
-        token_ids=[1, 2, 3, 4],
-        block_size=2,
-        lora_id=3,
-        medium="CPU",
-        lora_name="adapter",
-        extra_keys=[("k",), None],
-        group_idx=1,
-    )
-    removed = BlockRemoved(block_hashes=[b"\x01" * 8], medium="GPU", group_idx=2)
-    return [
-        stored,
-        removed,
-        AllBlocksCleared(),
-        KVEventBatch(ts=1.5, events=[stored, removed], data_parallel_rank=4),
-    ]
+    """One object of each struct the C code reads, every field a distinct object (a
+    fresh list: a field read from a neighbour's slot cannot pass for it)."""
+    classes: tuple[type[Any], ...] = (BlockStored, BlockRemoved, BlockMoved, KVEventBatch)
+    return [cls(*([i] for i in range(len(cls.__struct_fields__)))) for cls in classes]
 
 
 def layout_problem(accel: ModuleType) -> str | None:
