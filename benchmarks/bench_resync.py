@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ import msgspec
 import zmq
 
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch, PublishOutcome
+from coalesce_tools.host import host
 
 CHAIN, TOKENS = 64, 16
 
@@ -124,11 +123,7 @@ def main() -> None:
 
     result: dict[str, Any] = {
         "bench": "resync",
-        "host": {
-            "cores": os.cpu_count(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-        },
+        "host": host(),
         "blocks": args.blocks,
         "rounds": args.rounds,
         "resync_ns_per_block": round(med("ns_per_block")),
