@@ -101,11 +101,13 @@ def open_sockets(
     *,
     hwm: int,
     replay_window: int,
+    bind: bool | None = None,
 ) -> Sockets:
     """Create and bind (or connect) a publisher's PUB, replay ROUTER and snapshot ROUTER.
 
     vLLM's rules: the PUB binds wildcard, ipc and inproc endpoints and
-    connects to the rest; the ROUTERs always bind.  Raises ``ValueError`` for
+    connects to the rest (``bind``, when not None, decides instead); the
+    ROUTERs always bind.  Raises ``ValueError`` for
     an endpoint ZeroMQ cannot parse and ``OSError`` when one cannot be bound
     or connected (nothing is left open then).
     """
@@ -113,7 +115,9 @@ def open_sockets(
     socks = Sockets(pub=ctx.socket(zmq.PUB), endpoint=endpoint)
     try:
         socks.pub.set_hwm(hwm)
-        socks.endpoint = _attach(socks.pub, endpoint, bind=is_bind_endpoint(endpoint))
+        socks.endpoint = _attach(
+            socks.pub, endpoint, bind=is_bind_endpoint(endpoint) if bind is None else bind
+        )
         if replay_endpoint is not None:
             socks.router = ctx.socket(zmq.ROUTER)
             socks.router.setsockopt(zmq.SNDHWM, replay_window)

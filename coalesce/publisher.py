@@ -107,10 +107,14 @@ def _log_start(
         )
 
 
-def _process_supported(endpoints: tuple[str | None, ...], settings: Settings) -> bool:
+def _process_supported(
+    endpoints: tuple[str | None, ...], settings: Settings, *, explicit_bind: bool = False
+) -> bool:
     """Whether ``coalescer="process"`` can serve these endpoints; says why not if not."""
     why = None
-    if any(ep is not None and ep.startswith("inproc://") for ep in endpoints):
+    if explicit_bind:
+        why = "it applies vLLM's bind rule to the endpoint, and bind was given"
+    elif any(ep is not None and ep.startswith("inproc://") for ep in endpoints):
         why = "inproc endpoints live in one process"
     elif settings.move_events:
         why = "BlockMoved events come from the rules on the event objects"
@@ -151,7 +155,8 @@ class CoalescingPublisher:
 
     Takes vLLM's ``ZmqEventPublisher`` keywords, with its defaults and its
     endpoint rules (tcp port + DP rank, inproc ``_dp<rank>`` suffix; bind on
-    ``*``, ``::``, ``ipc://``, ``inproc://``, connect otherwise), plus the
+    ``*``, ``::``, ``ipc://``, ``inproc://``, connect otherwise; ``bind``
+    True or False decides instead, as SGLang's keyword does), plus the
     knobs of :class:`~coalesce._settings.Settings` as keywords or
     ``COALESCE_*`` variables.  Unknown keywords (from a newer vLLM) are
     accepted and ignored.
@@ -176,6 +181,7 @@ class CoalescingPublisher:
         hwm: int = _VLLM.hwm,
         max_queue_size: int = _VLLM.max_queue_size,
         topic: str = _VLLM.topic,
+        bind: bool | None = None,
         **keywords: Any,
     ) -> None:
         for name, value in (
@@ -187,6 +193,8 @@ class CoalescingPublisher:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(topic, str):
             raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        if bind is not None and not isinstance(bind, bool):
+            raise TypeError(f"bind must be a bool or None, got {type(bind).__name__}")
         if (
             isinstance(data_parallel_rank, bool)
             or not isinstance(data_parallel_rank, int)
@@ -207,13 +215,16 @@ class CoalescingPublisher:
         if not pub_ep:
             raise ValueError(f"endpoint must be a ZeroMQ endpoint, got {endpoint!r}")
 
-        binds = is_bind_endpoint(pub_ep)
+        binds = is_bind_endpoint(pub_ep) if bind is None else bind
+        self._binds = binds
         link: CoalescerProcess | None = None
         socks: Sockets | None = None
         # 16 bytes that change only when the publisher restarts (PR #57789)
         self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
         st = self.settings
-        if st.coalescer == "process" and _process_supported((pub_ep, replay_ep, snap_ep), st):
+        if st.coalescer == "process" and _process_supported(
+            (pub_ep, replay_ep, snap_ep), st, explicit_bind=bind is not None
+        ):
             link = _start_coalescer(
                 endpoint=pub_ep,
                 replay_endpoint=replay_ep,
@@ -230,7 +241,12 @@ class CoalescingPublisher:
             snap_ep = link.snapshot_endpoint
         else:
             socks = open_sockets(
-                pub_ep, replay_ep, snap_ep, hwm=hwm, replay_window=self.settings.replay_window
+                pub_ep,
+                replay_ep,
+                snap_ep,
+                hwm=hwm,
+                replay_window=self.settings.replay_window,
+                bind=binds,
             )
             pub_ep, replay_ep = socks.endpoint, socks.replay_endpoint
             snap_ep = socks.snapshot_endpoint

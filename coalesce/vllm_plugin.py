@@ -19,28 +19,12 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
+from coalesce._plugin import ENV_ENABLE, adopt_logging, enabled, serve_metrics_once
 
-ENV_ENABLE = "COALESCE_KV_EVENTS"
-ENV_METRICS_PORT = "COALESCE_METRICS_PORT"
+__all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
 
 log = logging.getLogger("coalesce")
 _original: Any = None  # vLLM's "zmq" constructor, kept for unregister()
-_metrics_started: set[int] = set()
-
-
-def _enabled() -> bool:
-    from coalesce._settings import parse_flag
-
-    try:
-        return parse_flag(os.environ.get(ENV_ENABLE, ""))
-    except ValueError:
-        log.warning(
-            "kv-coalesce: %s=%r is not a flag (1/0); plugin left off",
-            ENV_ENABLE,
-            os.environ.get(ENV_ENABLE),
-        )
-        return False
 
 
 def create_publisher(**kwargs: Any) -> Any:
@@ -53,33 +37,15 @@ def create_publisher(**kwargs: Any) -> Any:
     from coalesce.publisher import CoalescingPublisher
 
     pub = CoalescingPublisher(**kwargs)
-    port = os.environ.get(ENV_METRICS_PORT)
-    if port:
-        from coalesce.metrics import serve_metrics
-
-        rank = int(kwargs.get("data_parallel_rank", 0))
-        if rank not in _metrics_started:
-            serve_metrics(pub, int(port) + rank)
-            _metrics_started.add(rank)
+    serve_metrics_once(pub, pub.data_parallel_rank)
     log.info(
         "kv-coalesce: publisher for DP rank %s on %s (replay %s); settings %s",
-        kwargs.get("data_parallel_rank", 0),
+        pub.data_parallel_rank,
         pub.config.endpoint,
         pub.config.replay_endpoint,
         pub.settings,
     )
     return pub
-
-
-def _adopt_vllm_logging() -> None:
-    """Send coalesce's log lines through vLLM's handlers, unless the user configured ours."""
-    ours, theirs = logging.getLogger("coalesce"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False
 
 
 def _register_as_vllm_publisher() -> None:
@@ -100,7 +66,7 @@ def _register_as_vllm_publisher() -> None:
 def register() -> None:
     """The plugin entry point.  Idempotent; cheap when disabled."""
     global _original
-    if not _enabled():
+    if not enabled():
         return
     try:
         from vllm.distributed.kv_events import EventPublisherFactory
@@ -110,7 +76,7 @@ def register() -> None:
     registry = EventPublisherFactory._registry
     if registry.get("zmq") is create_publisher:
         return
-    _adopt_vllm_logging()
+    adopt_logging("vllm")
     from coalesce._settings import Settings
 
     _original = registry.get("zmq")

@@ -6,6 +6,7 @@ import itertools
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -178,3 +179,32 @@ def assert_every_model_agrees(batches: list[Any], received: list[Any]) -> None:
 
 def decode(payload: bytes) -> KVEventBatch:
     return msgspec.msgpack.decode(payload, type=KVEventBatch)
+
+
+class StalledSocket:
+    """Fault injection on a real PUB socket: every send waits until released.
+
+    Stands in for a sender thread that has fallen behind (a long encode, GIL
+    starvation); it wraps the real socket rather than replacing ZeroMQ.
+    """
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def send(self, *a: Any, **kw: Any) -> Any:
+        self.release.wait(30)
+        return self._sock.send(*a, **kw)
+
+    def send_multipart(self, *a: Any, **kw: Any) -> Any:
+        self.release.wait(30)
+        return self._sock.send_multipart(*a, **kw)
+
+
+def publish_in_thread(pub: Any, batches: list[Any]) -> threading.Thread:
+    t = threading.Thread(target=lambda: [pub.publish(b) for b in batches], daemon=True)
+    t.start()
+    return t

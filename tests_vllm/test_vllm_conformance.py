@@ -22,7 +22,15 @@ from vllm.distributed import kv_events as vk
 import coalesce.vllm_plugin as plugin
 from coalesce import CoalescingPublisher, PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
-from tests.conftest import decode, free_port, held, inproc, wait_for
+from tests.conftest import (
+    StalledSocket,
+    decode,
+    free_port,
+    held,
+    inproc,
+    publish_in_thread,
+    wait_for,
+)
 
 END = b"\xff" * 8
 
@@ -393,41 +401,12 @@ def test_high_volume_from_another_thread(enabled, made, make_sub):
 # -- the seed bug, as a regression ---------------------------------------------------
 
 
-class _StalledSocket:
-    """Fault injection on a real PUB socket: every send waits until released.
-
-    Stands in for a sender thread that has fallen behind (a long encode, GIL
-    starvation); it wraps the real socket rather than replacing ZeroMQ.
-    """
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-    def send(self, *a: Any, **kw: Any) -> Any:
-        self.release.wait(30)
-        return self._sock.send(*a, **kw)
-
-    def send_multipart(self, *a: Any, **kw: Any) -> Any:
-        self.release.wait(30)
-        return self._sock.send_multipart(*a, **kw)
-
-
-def _publish_in_thread(pub: Any, batches: list[Any]) -> threading.Thread:
-    t = threading.Thread(target=lambda: [pub.publish(b) for b in batches], daemon=True)
-    t.start()
-    return t
-
-
 def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
     theirs = vk.ZmqEventPublisher(data_parallel_rank=0, endpoint=inproc("v"), max_queue_size=2)
     made.append(theirs)
-    stall_v = _StalledSocket(theirs._pub)
+    stall_v = StalledSocket(theirs._pub)
     theirs._pub = stall_v
-    t = _publish_in_thread(theirs, [vbatch(vstore(i)) for i in range(10)])
+    t = publish_in_thread(theirs, [vbatch(vstore(i)) for i in range(10)])
     t.join(1.0)
     assert t.is_alive(), "vLLM's publish() should be blocked on its full queue"
     stall_v.release.set()
@@ -436,9 +415,9 @@ def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
 
     ours = CoalescingPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
     made.append(ours)
-    stall_c = _StalledSocket(ours._sender._pub)
+    stall_c = StalledSocket(ours._sender._pub)
     ours._sender._use_pub(stall_c)
-    t = _publish_in_thread(ours, [vbatch(vstore(i)) for i in range(10)])
+    t = publish_in_thread(ours, [vbatch(vstore(i)) for i in range(10)])
     t.join(10)
     assert not t.is_alive(), "publish() must never block"
     assert ours.stats().batches_dropped == 0, "a late sender loses nothing (vLLM only waits)"

@@ -1,0 +1,60 @@
+"""What the vLLM and SGLang plugins share: the switch, metrics, and logging.
+
+Both plugins are off unless ``COALESCE_KV_EVENTS=1``; both serve a
+publisher's stats for Prometheus on ``COALESCE_METRICS_PORT`` + its rank
+when that variable is set; both send coalesce's log lines through the
+engine's handlers unless the user configured coalesce's logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["ENV_ENABLE", "ENV_METRICS_PORT", "adopt_logging", "enabled", "serve_metrics_once"]
+
+ENV_ENABLE = "COALESCE_KV_EVENTS"
+ENV_METRICS_PORT = "COALESCE_METRICS_PORT"
+
+log = logging.getLogger("coalesce")
+_metrics_started: set[int] = set()
+
+
+def enabled() -> bool:
+    """Whether ``COALESCE_KV_EVENTS`` is on; a value that is not a flag is off, with a warning."""
+    from coalesce._settings import parse_flag
+
+    try:
+        return parse_flag(os.environ.get(ENV_ENABLE, ""))
+    except ValueError:
+        log.warning(
+            "kv-coalesce: %s=%r is not a flag (1/0); plugin left off",
+            ENV_ENABLE,
+            os.environ.get(ENV_ENABLE),
+        )
+        return False
+
+
+def serve_metrics_once(publisher: Any, rank: int) -> None:
+    """Serve ``publisher``'s stats on ``COALESCE_METRICS_PORT`` + ``rank``, once per rank
+    and process; nothing when the variable is unset."""
+    port = os.environ.get(ENV_METRICS_PORT)
+    if not port or rank in _metrics_started:
+        return
+    from coalesce.metrics import serve_metrics
+
+    serve_metrics(publisher, int(port) + rank)
+    _metrics_started.add(rank)
+
+
+def adopt_logging(engine_logger: str) -> None:
+    """Send coalesce's log lines through ``engine_logger``'s handlers, unless the user
+    configured coalesce's logger (or the engine has none)."""
+    ours, theirs = logging.getLogger("coalesce"), logging.getLogger(engine_logger)
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
