@@ -8,11 +8,15 @@ DYNAMO_VENV := .venv-dynamo
 DYNAMO_BIN := $(DYNAMO_VENV)/bin
 DYNAMO_STAMP := $(DYNAMO_VENV)/.installed-stamp
 
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.installed-stamp
+
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: demo test test-pure test-vllm test-dynamo lint bench check-c docs clean
+.PHONY: demo test test-pure test-vllm test-sglang test-dynamo lint bench check-c docs clean
 
 # setup.py builds the optional C accelerators in place; a C change reinstalls.
 $(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h
@@ -41,6 +45,17 @@ $(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c 
 test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 wheel
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
 
+$(SGLANG_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/sglang.txt
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q -r requirements/sglang.txt
+	$(SGLANG_BIN)/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_BIN)/python -m pip install -q -e '.[test]'
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP) ## the conformance tier against the real sglang==0.5.23 wheel
+	$(SGLANG_BIN)/python -m pytest -q tests_sglang
+
 $(DYNAMO_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/dynamo.txt
 	$(PY) -m venv $(DYNAMO_VENV)
 	$(DYNAMO_BIN)/python -m pip install -q --upgrade pip
@@ -52,7 +67,7 @@ test-dynamo: $(DYNAMO_STAMP) ## NVIDIA Dynamo's real KV indexer (ai-dynamo-runti
 	$(DYNAMO_BIN)/python -m pytest -q tests_dynamo
 
 lint: $(STAMP)            ## ruff + mypy --strict
-	$(BIN)/ruff check coalesce coalesce_tools tests tests_vllm tests_dynamo benchmarks
+	$(BIN)/ruff check coalesce coalesce_tools tests tests_vllm tests_sglang tests_dynamo benchmarks
 	$(BIN)/mypy
 
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
@@ -81,4 +96,4 @@ bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmar
 	$(BIN)/python benchmarks/bench_resync.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build coalesce/*.so

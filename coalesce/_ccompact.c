@@ -27,7 +27,7 @@
  * What it accepts (anything else returns None before any output is built):
  * events of registered classes (register(): BlockStored, BlockRemoved,
  * AllBlocksCleared-like msgspec structs with no __post_init__); lists for the
- * per-block fields; block hashes and parents that are exact ints in [0, 2**64)
+ * per-block fields; block hashes and parents that are exact ints in [-2**63, 2**64)
  * or exact bytes; mediums str or None; group_idx int or None; every other
  * field None, str, int, float or bool (so that comparing them runs no Python
  * code); non-empty stores; at most 64 distinct removal groups, 250 mediums,
@@ -84,7 +84,7 @@ static PyObject *s_copy = NULL; /* "__copy__" */
 
 typedef struct {
     uint64_t v;  /* the int's value, or the bytes' hash */
-    PyObject *b; /* NULL for an int; the bytes object otherwise (borrowed) */
+    PyObject *b; /* NULL for an int >= 0, NEG_MARK for one < 0, else the bytes (borrowed) */
     int32_t id;
     uint32_t gen; /* the slot is in use when gen == the table's gen */
 } Slot;
@@ -175,12 +175,25 @@ static void table_trim(Table *t) { slots_trim((void **)&t->s, &t->mask, &t->cap,
 /* Where a probe for the int or bytes hash `v` starts (the read's prefetches use it too). */
 static inline size_t id_home(const Table *t, uint64_t v) { return (size_t)mix64(v) & t->mask; }
 
+/* The mark a slot's `b` holds for a negative int hash (SGLang's are signed 64-bit):
+ * it tells -1 from 2**64 - 1, which share the same 64 bits.  Never dereferenced. */
+static char neg_mark_;
+#define NEG_MARK ((PyObject *)&neg_mark_)
+
 /* The id of hash `h` (assigning the next one if new); -1 to decline the value. */
 static inline int32_t hash_id(Table *t, PyObject *h, int32_t *next) {
     uint64_t v;
     PyObject *b = NULL;
     if (PyLong_CheckExact(h)) {
-        if (!long_u64(h, &v)) return -1;
+        if (!long_u64(h, &v)) {
+            long long x = PyLong_AsLongLong(h); /* a negative int down to -2**63 */
+            if (x == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return -1;
+            }
+            v = (uint64_t)x;
+            b = NEG_MARK;
+        }
     } else if (PyBytes_CheckExact(h)) {
         Py_hash_t hh = PyObject_Hash(h);
         if (hh == -1) {
@@ -203,11 +216,12 @@ static inline int32_t hash_id(Table *t, PyObject *h, int32_t *next) {
             return s->id;
         }
         if (s->v == v) {
-            if (b == NULL && s->b == NULL) return s->id;
-            if (b != NULL && s->b != NULL &&
-                (b == s->b || (PyBytes_GET_SIZE(b) == PyBytes_GET_SIZE(s->b) &&
-                               memcmp(PyBytes_AS_STRING(b), PyBytes_AS_STRING(s->b),
-                                      (size_t)PyBytes_GET_SIZE(b)) == 0)))
+            /* both ints of one sign, or the very same bytes object */
+            if (b == s->b) return s->id;
+            if (b != NULL && b != NEG_MARK && s->b != NULL && s->b != NEG_MARK &&
+                PyBytes_GET_SIZE(b) == PyBytes_GET_SIZE(s->b) &&
+                memcmp(PyBytes_AS_STRING(b), PyBytes_AS_STRING(s->b),
+                       (size_t)PyBytes_GET_SIZE(b)) == 0)
                 return s->id;
         }
         i = (i + 1) & t->mask;

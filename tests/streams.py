@@ -163,3 +163,71 @@ def closed_state(draw: Any) -> Counter[Any]:
             out[(m, g, p)] = max(out[(m, g, p)], 1)
             p = parent_of(p)
     return out
+
+
+# SGLang's shapes: its media, no group_idx, and attribution fields that must never be merged
+# across (cache_salt, session_id, lora_name, lora_id).
+SGLANG_MEDIA = {"GPU": "GPU", "CPU": "CPU_PINNED"}
+attributions = st.tuples(
+    st.sampled_from((None, None, "salt-a")),
+    st.sampled_from((None, "s1", "s2")),
+    st.sampled_from(((None, None), (None, None), ("adapter", 7))),
+)
+
+
+@st.composite
+def sglang_event_lists(draw: Any) -> list[Any]:
+    """:data:`event_lists` in SGLang's classes, each store with an attribution drawn from
+    a small set (so neighbours often share it and can merge, and often do not)."""
+    from coalesce import sglang
+
+    # SGLang's hashes are signed 64-bit (namespaced ones are often negative)
+    sign = draw(st.sampled_from((1, -1)))
+
+    def h(x: int | None) -> int | None:
+        return None if x is None else sign * x - (sign < 0)
+
+    out: list[Any] = []
+    for ev in draw(event_lists):
+        if isinstance(ev, BlockStored):
+            salt, session, (lora_name, lora_id) = draw(attributions)
+            out.append(
+                sglang.BlockStored(
+                    block_hashes=[h(x) for x in ev.block_hashes],
+                    parent_block_hash=h(ev.parent_block_hash),
+                    token_ids=ev.token_ids,
+                    block_size=ev.block_size,
+                    lora_id=lora_id,
+                    medium=SGLANG_MEDIA[ev.medium or "GPU"],
+                    cache_salt=salt,
+                    session_id=session,
+                    lora_name=lora_name,
+                )
+            )
+        elif isinstance(ev, BlockRemoved):
+            out.append(
+                sglang.BlockRemoved(
+                    block_hashes=[h(x) for x in ev.block_hashes],
+                    medium=SGLANG_MEDIA[ev.medium or "GPU"],
+                )
+            )
+        else:
+            out.append(sglang.AllBlocksCleared())
+    return out
+
+
+@st.composite
+def sglang_batch_lists(draw: Any) -> list[Any]:
+    """Batches of :func:`sglang_event_lists`, as the publisher holds them (the rank set)."""
+    from coalesce.events import EventBatch
+
+    evs = draw(sglang_event_lists())
+    batches: list[Any] = []
+    i = 0
+    while i < len(evs):
+        n = draw(st.integers(1, 4))
+        batches.append(
+            EventBatch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0)
+        )
+        i += n
+    return batches

@@ -225,14 +225,24 @@ def test_subscribe_with_a_snapshot_gets_what_was_cached_before_it_started():
 
 
 @pytest.mark.parametrize(
-    "entry", ["coalesce.__main__", "coalesce.subscriber", "coalesce.vllm_plugin", "coalesce"]
+    "entry",
+    [
+        "coalesce.__main__",
+        "coalesce.subscriber",
+        "coalesce.vllm_plugin",
+        "coalesce.sglang_plugin",
+        "coalesce.sglang",
+        "coalesce",
+    ],
 )
 def test_the_production_entry_points_load_none_of_the_tools(entry):
-    """``coalesce subscribe`` and the plugin run in production: the demo, its engine
-    model and the baselines (``coalesce_tools``) stay out of their processes."""
+    """``coalesce subscribe`` and the plugins run in production: the demo, its engine
+    model and the baselines (``coalesce_tools``) stay out of their processes, and
+    neither engine's package is imported by the other's plugin (or by loading one)."""
     code = (
         f"import sys, {entry}; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'coalesce_tools'))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('coalesce_tools', 'vllm', 'sglang')))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
