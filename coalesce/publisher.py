@@ -337,8 +337,12 @@ class CoalescingPublisher:
             events.data_parallel_rank = self._rank
         elif type(rank) is not int:
             raise TypeError(f"data_parallel_rank must be an int or None, got {rank!r}")
+        return self._queue(events, len(evs))
+
+    def _queue(self, batch: Any, n_events: int) -> PublishOutcome:
+        """Offer a checked batch (its rank set) to the backlog and wake the sender.  O(1)."""
         backlog, sender = self._backlog, self._sender
-        if not backlog.offer(events, len(evs)):
+        if not backlog.offer(batch, n_events):
             self._dropped()
             return PublishOutcome.DROPPED
         if self._sender_gone:  # shutdown() ended between this call's checks and its offer

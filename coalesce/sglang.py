@@ -166,16 +166,22 @@ class SGLangPublisher(CoalescingPublisher):
         :meth:`CoalescingPublisher.publish` (``TypeError`` for anything that
         is not a batch with ``ts``, ``events`` and ``attn_dp_rank``).
         """
+        if self._closed:
+            raise RuntimeError("publish() called after shutdown()")
         cls = type(events)
         if cls not in self._sglang_types:
             self._check_sglang_type(cls, events)
-        rank = events.attn_dp_rank
+        evs, ts, rank = events.events, events.ts, events.attn_dp_rank
+        if type(evs) is not list:
+            raise TypeError(f"{cls.__name__}.events must be a list, got {type(evs).__name__}")
+        if type(ts) is not float and type(ts) is not int:
+            raise TypeError(f"{cls.__name__}.ts must be a float, got {type(ts).__name__}")
         if rank is None:
             rank = events.attn_dp_rank = self._rank
         elif type(rank) is not int:
             raise TypeError(f"attn_dp_rank must be an int or None, got {rank!r}")
         # the same three positional fields: it encodes as SGLang's batch does
-        return super().publish(_RankedBatch(events.ts, events.events, rank))
+        return self._queue(_RankedBatch(ts, evs, rank), len(evs))
 
     def _check_sglang_type(self, cls: type, events: Any) -> None:
         fields = getattr(cls, "__struct_fields__", None)

@@ -1,4 +1,4 @@
-"""vLLM's stock publisher and the upstream drop-on-full variant, for comparisons.
+"""The engines' stock publishers and the upstream drop-on-full variant, for comparisons.
 
 Used by ``coalesce demo`` and ``benchmarks/``; not part of the public API.
 
@@ -10,6 +10,10 @@ behaviour (facts sheet section 1): a bounded ``queue.Queue`` with a blocking
 send time, encodes with msgspec and calls ``send_multipart``.  The drop
 variant (vLLM PR #53883, open) only changes ``put`` to ``put_nowait`` and drops
 the new batch when full, leaving no sequence gap.
+
+SGLang's publisher (0.5.23) is a copy of vLLM's with the rank field named
+``attn_dp_rank``: :func:`stock_publisher` gives the real one when ``sglang``
+is importable, else the same re-implementation speaking SGLang's batch.
 """
 
 from __future__ import annotations
@@ -65,9 +69,11 @@ class _ReimplementedStock:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    rank_field = "data_parallel_rank"
+
     def publish(self, events: Any) -> None:
-        if events.data_parallel_rank is None:
-            events.data_parallel_rank = self._rank
+        if getattr(events, self.rank_field) is None:
+            setattr(events, self.rank_field, self._rank)
         self._event_queue.put(events)
 
     def _run(self) -> None:
@@ -107,3 +113,46 @@ class DropPublisher(StockPublisher):  # type: ignore[misc]
             self._event_queue.put_nowait(events)
         except queue.Full:
             self.dropped += 1
+
+
+class _ReimplementedSGLang(_ReimplementedStock):
+    """SGLang 0.5.23's ZmqEventPublisher: vLLM's, with the rank in ``attn_dp_rank``."""
+
+    rank_field = "attn_dp_rank"
+
+
+class _DropOnFull:
+    """Mixed in first: put_nowait, drop the new batch when full, no gap."""
+
+    dropped = 0
+    _event_queue: queue.Queue[Any]
+
+    def publish(self, events: Any) -> None:
+        rank_field = getattr(self, "rank_field", "attn_dp_rank")  # SGLang's class has none
+        if getattr(events, rank_field) is None:
+            rank = self.__dict__["_rank" if "_rank" in self.__dict__ else "_dp_rank"]
+            setattr(events, rank_field, rank)
+        try:
+            self._event_queue.put_nowait(events)
+        except queue.Full:
+            self.dropped += 1
+
+
+def _real_sglang() -> Any:
+    try:
+        from sglang.srt.disaggregation.kv_events import ZmqEventPublisher
+    except ImportError:
+        return None
+    return ZmqEventPublisher
+
+
+def stock_publisher(engine: str, drop: bool = False) -> tuple[Any, bool]:
+    """``(class, real)``: ``engine``'s stock publisher (or its drop-on-full variant),
+    and whether it is the engine's own class rather than the re-implementation."""
+    if engine == "vllm":
+        return (DropPublisher if drop else StockPublisher), REAL_VLLM
+    real = _real_sglang()
+    base = real if real is not None else _ReimplementedSGLang
+    if drop:
+        return type("SGLangDropPublisher", (_DropOnFull, base), {}), real is not None
+    return base, real is not None

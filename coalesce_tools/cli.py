@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from coalesce_tools.demo import KINDS, PUBLISHERS, QUEUE, run_demo
-from coalesce_tools.workload import WorkloadConfig
+from coalesce_tools.workload import ENGINES, WorkloadConfig
 
 __all__ = ["demo_main"]
 
@@ -65,6 +65,19 @@ def demo_main(argv: Sequence[str]) -> int:
         action="store_true",
         help="use --burst-requests as given (no measurement)",
     )
+    d.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=defaults.engine,
+        help="whose structs and stock publisher: vllm, or sglang (its own class when "
+        "sglang is installed, else re-implemented)",
+    )
+    d.add_argument(
+        "--no-lockstep",
+        action="store_true",
+        help="independent ranks (default: ranks wait for each other once per step, as DP "
+        "ranks do, so one rank's stall delays the whole group)",
+    )
     d.add_argument("--out", default="results", help="where demo.json and demo.png go")
     d.add_argument("--only", choices=KINDS, action="append", help="run only these")
     args = d.parse_args(argv)
@@ -79,6 +92,8 @@ def demo_main(argv: Sequence[str]) -> int:
             burst_length=args.burst_length,
             burst_requests=args.burst_requests,
             batch_events=args.batch_events,
+            engine=args.engine,
+            lockstep=not args.no_lockstep,
         )
     except ValueError as exc:
         d.error(str(exc))

@@ -64,6 +64,10 @@ QUEUE = 50
 so that one 200-step burst overflows vLLM's queue whenever a burst step offers more than
 1.5x what its sender drains per step: the seed measurement used 100, which on these
 machines leaves the story to chance (see docs/benchmarks.md)."""
+_BARRIER_S = 120.0
+"""How long a rank waits for the others at a step boundary before the run fails (a rank
+that died must not hang the demo)."""
+_REAL = {"vllm": "vLLM 0.33", "sglang": "SGLang 0.5.23"}
 _SAMPLE_EVERY = 10
 """The plot's resolution: each point is the worst publish() of that many steps (so no
 stall falls between two points) and the backlog at the end of them."""
@@ -75,6 +79,9 @@ class PublisherResult:
 
     publisher: str
     real_vllm: bool = False
+    """The stock and drop rows ran the engine's own publisher class (vLLM's, or SGLang's
+    with ``engine="sglang"``), not the re-implementation."""
+    engine: str = "vllm"
     steps: int = 0
     engine_wall_s: float = 0.0
     publish_total_ms: float = 0.0
@@ -92,6 +99,10 @@ class PublisherResult:
     dropped: int = 0
     blocked: int = 0
     """publish() calls that found vLLM's queue full, and so waited (stock only)."""
+    step_p50_ms: float = 0.0
+    """The DP group's step time (lockstep: every rank's; else the slowest rank's)."""
+    step_p99_ms: float = 0.0
+    step_max_ms: float = 0.0
     gaps_seen: int = 0
     replays: int = 0
     resets: int = 0
@@ -227,14 +238,21 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _make_publisher(
-    kind: str, rank: int, port: int, replay_port: int, queue: int, snap_port: int
+    kind: str,
+    rank: int,
+    port: int,
+    replay_port: int,
+    queue: int,
+    snap_port: int,
+    engine: str = "vllm",
 ) -> Any:
     endpoint, replay = f"tcp://*:{port}", f"tcp://*:{replay_port}"
     if kind.startswith("coalesce"):
         from coalesce.publisher import CoalescingPublisher
+        from coalesce.sglang import SGLangPublisher
 
         snap = f"tcp://*:{snap_port}" if kind == "coalesce+snap" else None
-        return CoalescingPublisher(
+        return (SGLangPublisher if engine == "sglang" else CoalescingPublisher)(
             0,
             endpoint=endpoint,
             replay_endpoint=replay,
@@ -242,13 +260,30 @@ def _make_publisher(
             snapshot_endpoint=snap,
             coalescer="process" if kind == "coalesce+proc" else None,
         )
-    from coalesce_tools.baselines import REAL_VLLM, DropPublisher, StockPublisher
+    from coalesce_tools.baselines import stock_publisher
 
-    cls = StockPublisher if kind == "stock" else DropPublisher
+    cls, real = stock_publisher(engine, drop=kind == "drop")
     kw: dict[str, Any] = {"endpoint": endpoint, "max_queue_size": queue}
-    if REAL_VLLM:
+    if real:
         kw["replay_endpoint"] = replay
     return cls(0, **kw)
+
+
+def _batch_class(engine: str) -> Any:
+    """The engine's batch struct: ``[ts, events, rank]`` on the wire for both."""
+    if engine == "sglang":
+        from coalesce.sglang import KVEventBatch as SGLangBatch
+
+        return SGLangBatch
+    from coalesce.events import KVEventBatch
+
+    return KVEventBatch
+
+
+def _stock_is_real(engine: str) -> bool:
+    from coalesce_tools.baselines import stock_publisher
+
+    return bool(stock_publisher(engine)[1])
 
 
 def _backlog(pub: Any) -> int:
@@ -288,13 +323,19 @@ def _engine_main(
     progress: Any,
     release: Any,
     out: Any,
+    barrier: Any = None,
 ) -> None:
-    """One DP rank: warm up until the subscriber hears it, run the steps, report."""
+    """One DP rank: warm up until the subscriber hears it, run the steps, report.
+
+    With ``barrier`` (lockstep), every step starts when all ranks have finished
+    the previous one, as DP ranks do; the step times it reports are then the DP
+    group's."""
     import msgspec
 
-    from coalesce.events import KVEventBatch
     from coalesce.publisher import PublishOutcome
-    from coalesce_tools.workload import Engine
+    from coalesce_tools.workload import Engine, as_engine_events, as_engine_key
+
+    KVEventBatch = _batch_class(cfg.engine)
 
     # The table reports every drop; the publishers' own warnings would only land
     # in the middle of the progress line.
@@ -302,13 +343,13 @@ def _engine_main(
     engine = Engine(cfg, rank)
     # The model runs first, so that a step costs exactly step_cpu_us + step_gpu_us
     # whatever the model's own cost (bursts take it milliseconds of Python).
-    steps = [cfg.split(engine.step()) for _ in range(cfg.steps)]
+    steps = [cfg.split(as_engine_events(cfg.engine, engine.step())) for _ in range(cfg.steps)]
     published = [chunk for chunks in steps for chunk in chunks]  # every publish(), in order
     events_in = sum(map(len, published))
     gc.collect()
     gc.freeze()  # keep cyclic-GC pauses over those objects out of the timings
     base_mb = peak_mb = _rss_mb()
-    pub = _make_publisher(kind, rank, port, replay_port, queue, snap_port)
+    pub = _make_publisher(kind, rank, port, replay_port, queue, snap_port, cfg.engine)
     while not heard.is_set():  # empty batches until the subscriber hears this rank
         pub.publish(KVEventBatch(ts=time.time(), events=[]))
         time.sleep(0.005)
@@ -319,8 +360,18 @@ def _engine_main(
     timeline: list[tuple[float, int, float]] = []
     clock = time.perf_counter_ns
     worst = 0
+    step_ns: list[int] = []
+    if barrier is not None:
+        barrier.wait(_BARRIER_S)  # every rank warmed up and heard: start together
     start = time.perf_counter()
+    began = clock()
     for step, chunks in enumerate(steps):
+        if barrier is not None:
+            barrier.wait(_BARRIER_S)  # the DP group's step boundary
+        now = clock()
+        if step:
+            step_ns.append(now - began)
+        began = now
         spin_until(time.perf_counter() + cfg.step_cpu_us / 1e6)
         for events in chunks:
             dropped_before = getattr(pub, "dropped", 0)
@@ -341,7 +392,11 @@ def _engine_main(
             timeline.append((time.perf_counter() - start, _backlog(pub), worst / 1e3))
             peak_mb = max(peak_mb, _rss_mb(pub))
             worst = 0
+    if barrier is not None:
+        barrier.wait(_BARRIER_S)  # the last step ends when every rank's does
+    step_ns.append(clock() - began)
     wall = time.perf_counter() - start
+    step_ns.sort()
     progress.value = cfg.steps
     if hasattr(pub, "flush"):
         pub.flush(60)
@@ -367,7 +422,10 @@ def _engine_main(
             "dropped": accepted.count(False),
             "markers": pub.stats().loss_markers if hasattr(pub, "stats") else 0,
             "blocked": blocked,
-            "truth": sorted(engine.truth()),
+            "step_p50": step_ns[len(step_ns) // 2] / 1e6,
+            "step_p99": step_ns[int(len(step_ns) * 0.99)] / 1e6,
+            "step_max": step_ns[-1] / 1e6,
+            "truth": sorted(as_engine_key(cfg.engine, k) for k in engine.truth()),
             "timeline": timeline,
             "publisher_mb": peak_mb - base_mb,
         }
@@ -428,8 +486,9 @@ def run_publisher(
     kind: str, cfg: WorkloadConfig, queue: int = QUEUE, show_progress: bool = True
 ) -> PublisherResult:
     """Run one publisher kind under the workload; return what it did and what subscribers saw."""
-    from coalesce_tools.baselines import REAL_VLLM
+    from coalesce_tools.baselines import stock_publisher
 
+    _, real_stock = stock_publisher(cfg.engine)
     ctx = mp.get_context("spawn")
     ports = _free_ports(3 * cfg.ranks)
     endpoints = [f"tcp://127.0.0.1:{ports[r]}" for r in range(cfg.ranks)]
@@ -437,7 +496,7 @@ def run_publisher(
         f"tcp://127.0.0.1:{ports[2 * cfg.ranks + r]}" if kind == "coalesce+snap" else None
         for r in range(cfg.ranks)
     ]
-    has_replay = kind.startswith("coalesce") or REAL_VLLM
+    has_replay = kind.startswith("coalesce") or real_stock
     replays: list[str | None] = [
         f"tcp://127.0.0.1:{ports[cfg.ranks + r]}" if has_replay else None for r in range(cfg.ranks)
     ]
@@ -447,6 +506,7 @@ def run_publisher(
     sub_out: Any = ctx.Queue()
     eng_out: Any = ctx.Queue()
     progress = [ctx.Value("i", 0) for _ in range(cfg.ranks)]
+    barrier = ctx.Barrier(cfg.ranks) if cfg.lockstep and cfg.ranks > 1 else None
     sub = ctx.Process(
         target=_subscriber_main, args=(endpoints, replays, snapshots, heard, done, sub_out)
     )
@@ -466,6 +526,7 @@ def run_publisher(
                 progress[r],
                 release,
                 eng_out,
+                barrier,
             ),
         )
         for r in range(cfg.ranks)
@@ -499,7 +560,10 @@ def run_publisher(
         print(done_line, file=sys.stderr, flush=True)
     reports.sort(key=lambda r: r["rank"])
     res = PublisherResult(
-        publisher=kind, real_vllm=REAL_VLLM and not kind.startswith("coalesce"), steps=cfg.steps
+        publisher=kind,
+        real_vllm=real_stock and not kind.startswith("coalesce"),
+        engine=cfg.engine,
+        steps=cfg.steps,
     )
     for r in reports:
         rank = r["rank"]
@@ -523,6 +587,9 @@ def run_publisher(
         res.bytes_accepted += r["bytes_accepted"]
         res.dropped += r["dropped"]
         res.blocked += r["blocked"]
+        res.step_p50_ms = max(res.step_p50_ms, r["step_p50"])
+        res.step_p99_ms = max(res.step_p99_ms, r["step_p99"])
+        res.step_max_ms = max(res.step_max_ms, r["step_max"])
         res.publisher_mb = max(res.publisher_mb, r["publisher_mb"])
         res.timelines.append([(float(t), int(b), float(us)) for t, b, us in r["timeline"]])
     res.messages = subscriber["messages"]
@@ -541,6 +608,9 @@ _COLUMNS = (
     ("engine s", "the slowest rank's engine loop, seconds (lower is better)"),
     ("stall ms", "time spent inside publish(), all ranks (vLLM's blocks on its full queue)"),
     ("worst ms", "the slowest single publish() call"),
+    ("step p50", "the DP group's step time, ms (lockstep: the slowest rank sets it)"),
+    ("step p99", "its 99th percentile, ms"),
+    ("step max", "its worst step, ms"),
     ("p99 us", "99th percentile of publish(), worst rank"),
     ("messages", "messages the subscriber received"),
     ("MB", "payload MB the subscriber received"),
@@ -567,10 +637,13 @@ def _table(results: list[PublisherResult]) -> str:
         size = r.bytes_on_wire / r.bytes_accepted if r.bytes_accepted else 0.0
         rows.append(
             (
-                r.publisher + (" (vLLM 0.33)" if r.real_vllm else ""),
+                r.publisher + (f" ({_REAL[r.engine]})" if r.real_vllm else ""),
                 f"{r.engine_wall_s:.2f}",
                 f"{r.publish_total_ms:.1f}",
                 f"{r.publish_max_us / 1e3:.2f}",
+                f"{r.step_p50_ms:.2f}",
+                f"{r.step_p99_ms:.2f}",
+                f"{r.step_max_ms:.1f}",
                 f"{r.publish_p99_us:.1f}",
                 f"{r.messages:,}",
                 f"{r.bytes_on_wire / 1e6:.1f}",
@@ -647,6 +720,19 @@ def conclusions(results: list[PublisherResult]) -> list[str]:
         else:
             loss = "lost nothing: the subscriber ended with every engine's true state"
         out.append(f"{r.publisher}: {what}; {loss}.")
+    stock = next((r for r in results if r.publisher == "stock"), None)
+    ours = next((r for r in results if r.publisher == "coalesce"), None)
+    if stock is not None and not stock.blocked:
+        out.append(
+            "NOTE: this run did not overload the stock publisher (it never blocked), so it "
+            "is not the seed scenario: raise --load (or --burst-requests with --no-sizing)."
+        )
+    elif stock is not None and ours is not None:
+        out.append(
+            f"DP group step time, p99: stock {stock.step_p99_ms:.2f} ms, coalesce "
+            f"{ours.step_p99_ms:.2f} ms (worst step {stock.step_max_ms:.1f} ms and "
+            f"{ours.step_max_ms:.1f} ms)"
+        )
     return out
 
 
@@ -705,7 +791,7 @@ def run_demo(
     publisher, print the table and what it shows, write JSON (and a PNG)."""
     from coalesce_tools.host import describe, host
 
-    machine = host()
+    machine = host(cfg.engine)
     print(describe(machine))
     cap = None
     if size:
@@ -728,6 +814,15 @@ def run_demo(
                 "here; its queue may not fill, so the stock and drop rows may show no stall "
                 "or loss"
             )
+    if cfg.engine == "sglang":
+        print(
+            "engine: SGLang's structs and its stock publisher "
+            + ("(the real class)" if _stock_is_real(cfg.engine) else "(re-implemented)")
+            + "; the burst sizing probe uses vLLM's, the same queue-and-thread design"
+        )
+        if "coalesce+snap" in publishers:
+            print("coalesce+snap: skipped (snapshots are not available for SGLang)")
+            publishers = tuple(p for p in publishers if p != "coalesce+snap")
     results = [run_publisher(kind, cfg, queue) for kind in publishers]
     print(_table(results))
     print()
@@ -742,6 +837,8 @@ def run_demo(
                 "config": asdict(cfg),
                 "max_queue_size": queue,
                 "load": load,
+                "lockstep": cfg.lockstep and cfg.ranks > 1,
+                "engine": cfg.engine,
                 "stock_drain_events_per_step": cap,
                 "results": [asdict(r) for r in results],
                 "conclusions": conclusions(results),

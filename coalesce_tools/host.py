@@ -20,19 +20,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host() -> dict[str, Any]:
-    """Cores, CPU, Python, which C accelerators run, and which vLLM publisher is
-    the stock one (the real class, or the re-implementation)."""
+def host(engine: str = "vllm") -> dict[str, Any]:
+    """Cores, CPU, Python, which C accelerators run, and which of ``engine``'s
+    publishers is the stock one (the real class, or the re-implementation)."""
+    from importlib.metadata import version
+
     from coalesce import _recorder
     from coalesce._wire import native_send
     from coalesce.compactor import accelerated
-    from coalesce_tools.baselines import REAL_VLLM
+    from coalesce_tools.baselines import stock_publisher
 
-    vllm = "re-implemented (vllm not installed)"
-    if REAL_VLLM:
-        from importlib.metadata import version
-
-        vllm = f"real vllm {version('vllm')}"
+    stock = f"re-implemented ({engine} not installed)"
+    if stock_publisher(engine)[1]:
+        stock = f"real {engine} {version(engine)}"
     return {
         "cores": os.cpu_count(),
         "cpu": _cpu_model(),
@@ -41,7 +41,7 @@ def host() -> dict[str, Any]:
         "c_compactor": accelerated(),
         "c_recorder": _recorder._accel is not None,
         "c_send": native_send(),
-        "stock_publisher": vllm,
+        "stock_publisher": stock,
     }
 
 

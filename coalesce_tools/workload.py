@@ -28,7 +28,11 @@ from typing import Any
 
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored
 
-__all__ = ["Engine", "WorkloadConfig"]
+__all__ = ["ENGINES", "Engine", "WorkloadConfig", "as_engine_events", "as_engine_key"]
+
+ENGINES = ("vllm", "sglang")
+"""Whose structs the engine publishes (and whose stock publisher it is compared with)."""
+_SGLANG_MEDIUM = {"GPU": "GPU", "CPU": "CPU_PINNED"}
 
 _MASK = (1 << 64) - 1
 _Block = tuple[int, "int | None", tuple[int, ...]]  # (hash, parent, tokens)
@@ -58,8 +62,15 @@ class WorkloadConfig:
     """Publish each step's events as batches of at most this many (0: one batch per
     step): the upstream report's "thousands of EventBatch objects in one shot"."""
     seed: int = 0
+    engine: str = "vllm"
+    """``sglang``: the same events in SGLang's structs (signed hashes, ``CPU_PINNED``)."""
+    lockstep: bool = True
+    """DP ranks wait for each other once per step (the DP all-reduce and step
+    coordination), so the slowest rank's ``publish()`` sets every rank's pace."""
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         largest = max(self.prefix_blocks + self.suffix_blocks, self.burst_blocks)
         if self.gpu_blocks < 2 * largest:
             raise ValueError("gpu_blocks must hold at least two of the largest requests")
@@ -167,3 +178,47 @@ class Engine:
     def truth(self) -> set[tuple[str, None, int]]:
         """The blocks the engine holds now, as subscriber keys ``(medium, group, hash)``."""
         return {("GPU", None, h) for h in self.gpu} | {("CPU", None, h) for h in self.cpu}
+
+
+def _signed(h: Any) -> Any:
+    """An unsigned 64-bit hash as SGLang's signed one (None stays None)."""
+    return h if h is None or h < 1 << 63 else h - (1 << 64)
+
+
+def as_engine_events(engine: str, events: list[Any]) -> list[Any]:
+    """The model's events in ``engine``'s structs: as they are for vLLM; for SGLang its
+    classes, its tier names and its signed 64-bit hashes.  O(events)."""
+    if engine == "vllm":
+        return events
+    from coalesce import sglang
+
+    out: list[Any] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.append(
+                sglang.BlockStored(
+                    [_signed(h) for h in ev.block_hashes],
+                    _signed(ev.parent_block_hash),
+                    ev.token_ids,
+                    ev.block_size,
+                    None,
+                    _SGLANG_MEDIUM[ev.medium or "GPU"],
+                )
+            )
+        elif isinstance(ev, BlockRemoved):
+            out.append(
+                sglang.BlockRemoved(
+                    [_signed(h) for h in ev.block_hashes], _SGLANG_MEDIUM[ev.medium or "GPU"]
+                )
+            )
+        else:
+            out.append(sglang.AllBlocksCleared())
+    return out
+
+
+def as_engine_key(engine: str, key: tuple[str, None, int]) -> tuple[str, None, int]:
+    """:meth:`Engine.truth`'s key as a subscriber of ``engine``'s stream holds it."""
+    if engine == "vllm":
+        return key
+    medium, group, h = key
+    return (_SGLANG_MEDIUM[medium], group, _signed(h))

@@ -6,7 +6,6 @@ real package is installed; here they are skipped.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import re
 import subprocess
@@ -18,12 +17,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def doc_blocks(need_vllm: bool) -> list[object]:
-    """The python blocks of the docs that do (or do not) import vllm."""
+def _engine(code: str) -> str | None:
+    """The engine package a block imports (vllm or sglang), or None."""
+    found = re.search(r"^\s*(?:from|import)\s+(vllm|sglang)\b", code, re.M)
+    return None if found is None else found.group(1)
+
+
+def doc_blocks(engine: str | None) -> list[object]:
+    """The python blocks of the docs that import ``engine`` (None: neither engine)."""
     out = []
     for path in DOCS:
         for n, code in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
-            if ("vllm" in code and "import" in code) == need_vllm:
+            if _engine(code) == engine:
                 out.append(pytest.param(code, id=f"{path.name}:{n}"))
     return out
 
@@ -35,14 +40,14 @@ def run_block(code: str) -> None:
     assert run.returncode == 0, run.stderr
 
 
-@pytest.mark.parametrize("code", doc_blocks(need_vllm=False))
+@pytest.mark.parametrize("code", doc_blocks(None))
 def test_doc_example_runs(code: str) -> None:
     run_block(code)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="run by tests_vllm")
-def test_vllm_blocks_are_left_to_the_conformance_tier() -> None:
-    assert doc_blocks(need_vllm=True), "docs/vllm.md should show a runnable check"
+def test_engine_blocks_are_left_to_the_conformance_tiers() -> None:
+    assert doc_blocks("vllm"), "docs/vllm.md should show a runnable check"
+    assert doc_blocks("sglang"), "docs/sglang.md should show a runnable check"
 
 
 def test_the_knobs_table_lists_every_knob_with_its_variable_and_default() -> None:

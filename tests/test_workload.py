@@ -80,3 +80,21 @@ def test_steps_split_into_batches_of_at_most_batch_events():
     assert [len(p) for p in parts] == [20, 20, 5] and [e for p in parts for e in p] == events
     with pytest.raises(ValueError, match="batch_events"):
         replace(WorkloadConfig(), batch_events=-1)
+
+
+def test_sglang_events_are_the_same_events_in_sglangs_structs():
+    from coalesce import sglang
+    from coalesce.refmodel import SubscriberModel
+    from coalesce_tools.workload import Engine, WorkloadConfig, as_engine_events, as_engine_key
+
+    cfg = WorkloadConfig(steps=60, burst_every=20, burst_length=5, engine="sglang")
+    engine = Engine(cfg, 0)
+    model = SubscriberModel("refcount")
+    for _ in range(cfg.steps):
+        events = as_engine_events("sglang", engine.step())
+        assert {type(e) for e in events} <= {sglang.BlockStored, sglang.BlockRemoved}
+        assert all(-(2**63) <= h < 2**63 for e in events for h in e.block_hashes)
+        model.apply_batches([sglang.KVEventBatch(0.0, events, 0)])
+    assert model.held() == {as_engine_key("sglang", k) for k in engine.truth()}
+    assert any(h < 0 for _, _, h in model.held()), "signed hashes: some are negative"
+    assert {m for m, _, _ in model.held()} == {"GPU", "CPU_PINNED"}

@@ -7,6 +7,6 @@ import pytest
 from tests.test_docs import doc_blocks, run_block
 
 
-@pytest.mark.parametrize("code", doc_blocks(need_vllm=True))
+@pytest.mark.parametrize("code", doc_blocks("vllm"))
 def test_vllm_doc_example_runs(code: str) -> None:
     run_block(code)
