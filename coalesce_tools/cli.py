@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -10,6 +11,15 @@ from coalesce_tools.demo import KINDS, PUBLISHERS, QUEUE, run_demo
 from coalesce_tools.workload import ENGINES, WorkloadConfig
 
 __all__ = ["demo_main"]
+
+
+def lockstep_for(choice: str, ranks: int, cores: int | None = None) -> bool:
+    """``--lockstep``'s answer: ``auto`` is on where every rank's engine and sender each
+    have a core (below that the group is CPU-bound: every publisher keeps up by slowing
+    the engine, docs/decisions.md)."""
+    if choice != "auto":
+        return choice == "on"
+    return (cores if cores is not None else os.cpu_count() or 1) >= 2 * ranks
 
 
 def demo_main(argv: Sequence[str]) -> int:
@@ -73,10 +83,12 @@ def demo_main(argv: Sequence[str]) -> int:
         "sglang is installed, else re-implemented)",
     )
     d.add_argument(
-        "--no-lockstep",
-        action="store_true",
-        help="independent ranks (default: ranks wait for each other once per step, as DP "
-        "ranks do, so one rank's stall delays the whole group)",
+        "--lockstep",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="ranks wait for each other once per step, as DP ranks do, so one rank's stall "
+        "delays the whole group; auto: on where the host has a core for each rank's engine "
+        "and one for its sender (2 x ranks), off below",
     )
     d.add_argument("--out", default="results", help="where demo.json and demo.png go")
     d.add_argument("--only", choices=KINDS, action="append", help="run only these")
@@ -93,7 +105,7 @@ def demo_main(argv: Sequence[str]) -> int:
             burst_requests=args.burst_requests,
             batch_events=args.batch_events,
             engine=args.engine,
-            lockstep=not args.no_lockstep,
+            lockstep=lockstep_for(args.lockstep, args.ranks),
         )
     except ValueError as exc:
         d.error(str(exc))

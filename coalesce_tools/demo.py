@@ -802,6 +802,17 @@ def run_demo(
         f"bursts of {cfg.burst_requests} x {cfg.burst_blocks}-block prompts for "
         f"{cfg.burst_length} steps every {cfg.burst_every}, max_queue_size={queue}"
     )
+    if cfg.ranks > 1:
+        print(
+            "DP lockstep: "
+            + (
+                "on (ranks wait for each other every step, as DP ranks do)"
+                if cfg.lockstep
+                else f"off (independent ranks; {os.cpu_count()} cores run {cfg.ranks} ranks' "
+                "engines and senders and the subscriber only by turns, and in lockstep every "
+                "publisher then keeps up by slowing the group: --lockstep on to see it)"
+            )
+        )
     if cap is not None:
         offered = cfg.burst_requests * events_per_request(cfg)
         print(

@@ -119,6 +119,38 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
         assert stock["messages"] > 120 * 2
 
 
+@pytest.mark.slow
+def test_demo_in_lockstep_with_sglangs_structs(tmp_path):
+    run = subprocess.run(
+        cli(
+            "demo",
+            *("--engine", "sglang", "--lockstep", "on", "--ranks", "2", "--steps", "120"),
+            *("--burst-every", "40", "--burst-requests", "8", "--burst-length", "5"),
+            *("--no-sizing", "--out", str(tmp_path)),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "DP lockstep: on" in run.stdout and "engine: SGLang's structs" in run.stdout
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["lockstep"] is True and data["engine"] == "sglang"
+    rows = {r["publisher"]: r for r in data["results"]}
+    assert set(rows) == {"stock", "drop", "coalesce"}  # snapshots are refused for SGLang
+    for r in rows.values():
+        assert 0 < r["step_p50_ms"] <= r["step_p99_ms"] <= r["step_max_ms"]
+    assert rows["coalesce"]["silent"] == 0 and rows["coalesce"]["events_in"] > 0
+
+
+def test_lockstep_auto_needs_a_core_per_engine_and_one_per_sender():
+    from coalesce_tools.cli import lockstep_for
+
+    assert lockstep_for("auto", 2, cores=4) and not lockstep_for("auto", 2, cores=3)
+    assert lockstep_for("auto", 8, cores=16) and not lockstep_for("auto", 2, cores=2)
+    assert lockstep_for("on", 8, cores=2) and not lockstep_for("off", 1, cores=64)
+
+
 def test_subscribe_says_why_nothing_arrives():
     port = free_port()
     run = subprocess.run(
