@@ -81,10 +81,10 @@ check-c: $(STAMP)         ## the C accelerators under ASan and UBSan (compaction
 		tests/test_wire.py; \
 	status=$$?; $(BIN)/python -m pip install -q --no-deps -e .; exit $$status
 
-docs: $(STAMP)            ## regenerate the docs' generated tables (the README's configuration table)
+docs: $(STAMP)            ## regenerate the docs' generated tables (configuration, benchmark results)
 	$(BIN)/python -m coalesce_tools.docgen
 
-bench: $(STAMP)           ## benchmarks (not tests); numbers go in docs/benchmarks.md
+bench: $(STAMP)           ## benchmarks (not tests): results in benchmarks/results/, then make docs
 	$(BIN)/python benchmarks/bench_publish.py
 	$(BIN)/python benchmarks/bench_overload.py
 	$(BIN)/python benchmarks/bench_replay.py

@@ -53,6 +53,7 @@ from coalesce import compactor
 from coalesce._payoff import Payoff
 from coalesce._sender import folding_pays
 from coalesce.events import KVEventBatch
+from coalesce_tools.results import recording
 from coalesce_tools.workload import Engine, WorkloadConfig
 
 Window = list[Any]
@@ -266,4 +267,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("compact", __doc__ or ""):
+        main()

@@ -40,6 +40,7 @@ from bench_publish import make_batch
 
 from coalesce import CoalescingPublisher
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
+from coalesce_tools.results import recording
 
 PAYLOAD = "coalesce, payload rules"
 PROCESS = "coalesce, process"
@@ -160,4 +161,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("drain", __doc__ or ""):
+        main()

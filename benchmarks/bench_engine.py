@@ -47,6 +47,7 @@ from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 from coalesce import CoalescingPublisher
 from coalesce._sender import IDLE_POLL
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
+from coalesce_tools.results import recording
 
 KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
 FLOORS = ("floor: call", "floor: wake")
@@ -219,4 +220,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("engine", __doc__ or ""):
+        main()

@@ -134,4 +134,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from coalesce_tools.results import recording
+
+    with recording("gil", __doc__ or ""):
+        main()

@@ -28,6 +28,7 @@ from coalesce_tools.demo import (
     run_publisher,
     stock_capacity_per_step,
 )
+from coalesce_tools.results import recording
 from coalesce_tools.workload import WorkloadConfig
 
 
@@ -112,4 +113,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("overload", __doc__ or ""):
+        main()

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.compactor import compact
 from coalesce_tools.baselines import REAL_VLLM, DropPublisher, StockPublisher
+from coalesce_tools.results import recording
 
 if REAL_VLLM:
     from vllm.distributed import kv_events as vk
@@ -261,4 +262,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("publish", __doc__ or ""):
+        main()

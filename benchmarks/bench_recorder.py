@@ -50,6 +50,7 @@ from coalesce import compactor
 from coalesce._recorder import RELEASE_AT, AnyRecorder, new_recorder
 from coalesce._wire import Encoder
 from coalesce.events import BlockStored, KVEventBatch
+from coalesce_tools.results import recording
 
 Window = list[Any]
 
@@ -241,4 +242,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("recorder", __doc__ or ""):
+        main()

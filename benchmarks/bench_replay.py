@@ -20,6 +20,7 @@ import sys
 import time
 
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
+from coalesce_tools.results import recording
 
 CLIENTS = """
 import sys, zmq
@@ -104,4 +105,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recording("replay", __doc__ or ""):
+        main()

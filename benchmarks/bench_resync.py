@@ -30,6 +30,7 @@ import zmq
 
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch, PublishOutcome
 from coalesce_tools.host import host
+from coalesce_tools.results import recording
 
 CHAIN, TOKENS = 64, 16
 
@@ -141,4 +142,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recording("resync", __doc__ or ""):
+        status = main()
+    sys.exit(status)

@@ -17,14 +17,13 @@ the engine idle and a SUB reading everything in a process of its own
 
 Publishers alternate, ``--repeats`` times; medians.  "encode" is msgspec
 encoding every batch once, the floor of any sender that sends them all.
-Results: printed, and written to ``benchmarks/results/sglang.json``.
+Results: printed, and written to ``benchmarks/results/sglang.<cores>-core.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -38,8 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _reader import start_reader, stop_reader
 
 from coalesce.sglang import SGLangPublisher
-from coalesce_tools.host import host
-from coalesce_tools.results import write_result
+from coalesce_tools.results import recording
 
 TOKENS = list(range(16))
 
@@ -101,7 +99,7 @@ def run_once(kind: str, batches: list[Any], port: int) -> tuple[float, float]:
         stop_reader(reader)
 
 
-def main() -> None:
+def main() -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batches", type=int, default=4000)
@@ -152,9 +150,9 @@ def main() -> None:
             f"{row['drain_events_per_s']:,.0f} |"
         )
     print(f"encode every batch once: {encode_s:.3f} s; drain: {figures['drain_ratio']:.2f}x")
-    path = write_result("sglang", __doc__ or "", figures, engine="sglang")
-    print(json.dumps({"written": path, "host": host("sglang")}))
+    return figures
 
 
 if __name__ == "__main__":
-    main()
+    with recording("sglang", __doc__ or "", engine="sglang") as result:
+        result.update(main())

@@ -88,7 +88,72 @@ def config_table() -> str:
     return "\n".join(rows)
 
 
-TABLES = {"config-table": config_table}
+BENCHMARKS = (
+    "drain",
+    "publish",
+    "overload",
+    "engine",
+    "gil",
+    "compact",
+    "recorder",
+    "resync",
+    "replay",
+    "sglang",
+)
+"""The benchmarks docs/benchmarks.md shows, in its order (``benchmarks/bench_<name>.py``)."""
+
+
+def _markdown(output: str) -> str:
+    """A benchmark's printed output as Markdown: its tables as they are, a lone line as
+    a paragraph, a run of other lines (aligned columns, JSON) as a preformatted block."""
+    groups: list[tuple[bool, list[str]]] = []  # (is a table, its lines)
+    for line in output.rstrip().splitlines():
+        line = line.rstrip()
+        if not line or line.startswith("result: "):
+            groups.append((False, []))
+            continue
+        if line.startswith("#"):  # its own headings, under this page's
+            groups += [(False, []), (True, ["#### " + line.lstrip("#").strip()]), (False, [])]
+            continue
+        is_row = line.startswith("|")
+        if groups and groups[-1][0] == is_row and groups[-1][1]:
+            groups[-1][1].append(line)
+        else:
+            groups.append((is_row, [line]))
+    parts = []
+    for is_table, lines in groups:
+        if not lines:
+            continue
+        if is_table or (len(lines) == 1 and not lines[0].startswith(" ")):
+            parts.append("\n".join(lines))
+        else:
+            parts.append("```text\n" + "\n".join(lines) + "\n```")
+    return "\n\n".join(parts)
+
+
+def bench_results() -> str:
+    """Every stored benchmark result (benchmarks/results/), per benchmark and host shape."""
+    from coalesce_tools.results import read_results
+
+    parts: list[str] = []
+    for name in BENCHMARKS:
+        docs = read_results(name)
+        if not docs:
+            continue
+        title = docs[-1]["method"].split(". ")[0].rstrip(".").replace("``", "`")
+        parts.append(f"## `bench_{name}.py`: {title}")
+        for doc in docs:
+            h = doc["host"]
+            built = [k[2:] for k in ("c_compactor", "c_recorder", "c_send") if h.get(k)]
+            parts.append(
+                f"### {h['cores']}-core host ({h['cpu']}, {h['python']}; C: "
+                f"{', '.join(built) or 'none'}; stock: {h['stock_publisher']}), {doc['when']}"
+            )
+            parts.append(_markdown(doc["figures"].get("output", "")))
+    return "\n\n".join(parts)
+
+
+TABLES = {"config-table": config_table, "bench-results": bench_results}
 """The generated tables, by marker name."""
 
 

@@ -10,17 +10,49 @@ files (``make docs``).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from coalesce_tools.host import host
 
-__all__ = ["RESULTS", "read_results", "write_result"]
+__all__ = ["RESULTS", "read_results", "recording", "write_result"]
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+class _Tee(io.TextIOBase):
+    """Writes go to the terminal and are kept."""
+
+    def __init__(self, out: Any) -> None:
+        self.out, self.kept = out, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return int(self.out.write(text))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+@contextlib.contextmanager
+def recording(name: str, method: str, engine: str = "vllm") -> Iterator[dict[str, Any]]:
+    """Run a benchmark's ``main()`` inside: what it prints (its markdown tables) is
+    shown and kept, with whatever it puts in the yielded dict, as its result file.
+    Nothing is written if it raises."""
+    figures: dict[str, Any] = {}
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield figures
+    figures.setdefault("output", tee.kept.getvalue())
+    path = write_result(name, method, figures, engine)
+    print(f"result: {os.path.relpath(path)}")
 
 
 def write_result(name: str, method: str, figures: dict[str, Any], engine: str = "vllm") -> str:

@@ -78,6 +78,24 @@ def test_the_generated_tables_are_what_the_code_renders_now() -> None:
     for path in DOCS:
         text = path.read_text()
         assert render_into(text) == text, f"{path.name} is stale: run make docs"
-    readme = (ROOT / "README.md").read_text()
-    for name in TABLES:
-        assert f"<!-- {name}:start -->" in readme, name
+    where = {"config-table": "README.md", "bench-results": "docs/benchmarks.md"}
+    assert set(where) == set(TABLES)
+    for name, path in where.items():
+        assert f"<!-- {name}:start -->" in (ROOT / path).read_text(), name
+
+
+def test_a_benchmark_result_round_trips_and_renders_per_host_shape(tmp_path, monkeypatch):
+    from coalesce_tools import docgen, results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(docgen, "BENCHMARKS", ("toy",))
+    with results.recording("toy", "A toy. More words.") as figures:
+        print("# toy title\n\n| a | b |\n|---|---|\n| 1 | 2 |\n  aligned  1\n  aligned  2")
+        figures["ratio"] = 1.5
+    (doc,) = results.read_results("toy")
+    assert doc["figures"]["ratio"] == 1.5 and doc["method"] == "A toy. More words."
+    assert doc["host"]["cores"] >= 1 and "| 1 | 2 |" in doc["figures"]["output"]
+    text = docgen.bench_results()
+    assert text.startswith("## `bench_toy.py`: A toy\n\n### ")
+    assert "#### toy title" in text and "| a | b |\n|---|---|\n| 1 | 2 |" in text
+    assert "```text\n  aligned  1\n  aligned  2\n```" in text
