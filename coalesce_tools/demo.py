@@ -22,6 +22,13 @@ the drain rate itself moves by 2-3x from one minute to the next, so sizing
 the bursts to a multiple of one measurement does not keep the regime: sizing
 them to the fixed bound does, as long as vLLM's publisher drains less than
 a third of a burst step per step (the demo says so when it does not).
+
+The overload is then checked, not assumed: the stock row runs first, and
+while it never found its queue full the burst grows (:func:`grow_burst`:
+steps twice as big, within coalesce's event budget) and the stock row runs
+again; the other rows use the burst it ended with.  A run that still did not
+overload it says so plainly.  With ``lockstep`` the ranks wait for each
+other once per step, and the table reports the DP group's step time.
 """
 
 from __future__ import annotations
@@ -132,6 +139,52 @@ BURST_EVENTS = 1_600_000
 """Events one burst offers in all, spread over its steps: 40% of coalesce's default
 event budget (80% of the budget before it was doubled, kept so that demo runs
 compare), several times what vLLM's publisher drains in a burst on these machines."""
+
+
+GROWTHS = 3
+"""Times the demo doubles a burst step whose stock run did not block (the overload is
+checked by the stock row itself, not assumed from the drain probe)."""
+BURST_CAP = 0.8
+"""A grown burst offers at most this share of coalesce's event budget in all: the
+burst gets shorter as its steps get bigger (down to :data:`MIN_BURST_STEPS`)."""
+MIN_BURST_STEPS = 80
+"""Shortest grown burst: long enough to fill the demo's queue of :data:`QUEUE` batches."""
+
+
+def grow_burst(cfg: WorkloadConfig, budget: int) -> WorkloadConfig | None:
+    """The next burst to try when the stock row did not block: steps twice as big, the
+    burst shorter so that it offers at most :data:`BURST_CAP` of ``budget`` events in
+    all; None when no bigger burst fits."""
+    per_request = events_per_request(cfg)
+    requests = 2 * cfg.burst_requests
+    length = min(cfg.burst_length, int(BURST_CAP * budget) // (requests * per_request))
+    if length < MIN_BURST_STEPS:
+        return None
+    return replace(cfg, burst_requests=requests, burst_length=length)
+
+
+def _stock_until_it_blocks(
+    cfg: WorkloadConfig, queue: int
+) -> tuple[PublisherResult, WorkloadConfig]:
+    """Run the stock row; while it never blocked, grow the burst and run it again (at
+    most :data:`GROWTHS` times).  The rows after it use the burst it ended with."""
+    from coalesce._settings import Settings
+
+    stock = run_publisher("stock", cfg, queue)
+    for _ in range(GROWTHS):
+        if stock.blocked:
+            break
+        grown = grow_burst(cfg, Settings.resolve().max_pending_events)
+        if grown is None:
+            break
+        offered = grown.burst_requests * events_per_request(grown)
+        print(
+            f"stock never blocked: growing the burst to {offered:,} events a step for "
+            f"{grown.burst_length} steps, and running it again"
+        )
+        cfg = grown
+        stock = run_publisher("stock", cfg, queue)
+    return stock, cfg
 
 
 def events_per_request(cfg: WorkloadConfig) -> int:
@@ -834,7 +887,12 @@ def run_demo(
         if "coalesce+snap" in publishers:
             print("coalesce+snap: skipped (snapshots are not available for SGLang)")
             publishers = tuple(p for p in publishers if p != "coalesce+snap")
-    results = [run_publisher(kind, cfg, queue) for kind in publishers]
+    results: list[PublisherResult] = []
+    if size and publishers and publishers[0] == "stock":
+        stock, cfg = _stock_until_it_blocks(cfg, queue)
+        results.append(stock)
+        publishers = publishers[1:]
+    results += [run_publisher(kind, cfg, queue) for kind in publishers]
     print(_table(results))
     print()
     for line in conclusions(results):
@@ -846,6 +904,7 @@ def run_demo(
             {
                 "host": machine,
                 "config": asdict(cfg),
+                "burst_events_per_step": cfg.burst_requests * events_per_request(cfg),
                 "max_queue_size": queue,
                 "load": load,
                 "lockstep": cfg.lockstep and cfg.ranks > 1,

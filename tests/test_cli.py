@@ -296,3 +296,18 @@ def test_the_host_is_recorded_with_what_runs_on_it():
     assert h["stock_publisher"].startswith(("real vllm", "re-implemented"))
     line = describe(h)
     assert line.startswith(f"host: {h['cores']} cores") and h["cpu"] in line
+
+
+def test_a_burst_that_did_not_overload_stock_grows_within_coalesces_budget():
+    from coalesce_tools.demo import BURST_CAP, MIN_BURST_STEPS, events_per_request, grow_burst
+    from coalesce_tools.workload import WorkloadConfig
+
+    cfg, budget, seen = WorkloadConfig(burst_requests=27), 4_000_000, []
+    while (grown := grow_burst(cfg, budget)) is not None:
+        per_step = grown.burst_requests * events_per_request(grown)
+        assert per_step == 2 * cfg.burst_requests * events_per_request(cfg)
+        assert per_step * grown.burst_length <= BURST_CAP * budget
+        assert MIN_BURST_STEPS <= grown.burst_length <= cfg.burst_length
+        seen.append(grown.burst_length)
+        cfg = grown
+    assert seen == [200, 102], "two doublings fit the default budget, the second shorter"
