@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ENV_ENABLE", "ENV_METRICS_PORT", "adopt_logging", "enabled", "serve_metrics_once"]
+__all__ = [
+    "ENV_ENABLE",
+    "ENV_METRICS_PORT",
+    "Swap",
+    "adopt_logging",
+    "enabled",
+    "serve_metrics_once",
+]
 
 ENV_ENABLE = "COALESCE_KV_EVENTS"
 ENV_METRICS_PORT = "COALESCE_METRICS_PORT"
@@ -58,3 +66,43 @@ def adopt_logging(engine_logger: str) -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.level or logging.INFO)
     ours.propagate = False
+
+
+class Swap:
+    """An engine's ``"zmq"`` entry in its publisher factory's registry, swapped for
+    ours and back.  ``engine`` names it in log lines; its logger is adopted."""
+
+    def __init__(self, engine: str, logger: str) -> None:
+        self.engine, self.logger = engine, logger
+        self.original: Any = None  # the engine's own "zmq" constructor, while swapped
+
+    def install(
+        self, registry: dict[str, Any], create: Callable[..., Any], abc: Any, cls: type
+    ) -> None:
+        """Put ``create`` in for ``"zmq"`` and make ``cls`` a virtual subclass of the
+        engine's ABC ``abc``.  Idempotent; logs once what it did and with which settings."""
+        if registry.get("zmq") is create:
+            return
+        adopt_logging(self.logger)
+        from coalesce._settings import Settings
+
+        self.original = registry.get("zmq")
+        registry["zmq"] = create
+        abc.register(cls)  # isinstance holds; nothing of the engine's is inherited or run
+        log.info(
+            "kv-coalesce: %s's 'zmq' KV-event publisher is now %s.%s (pid %d); settings "
+            "from COALESCE_*: %s",
+            self.engine,
+            cls.__module__.replace(".publisher", ""),
+            cls.__name__,
+            os.getpid(),
+            Settings.resolve(),
+        )
+
+    def restore(self, registry: dict[str, Any]) -> None:
+        """Put the engine's own ``"zmq"`` publisher back (nothing if not swapped)."""
+        if self.original is None:
+            return
+        registry["zmq"] = self.original
+        self.original = None
+        log.info("kv-coalesce: %s's own 'zmq' publisher restored", self.engine)

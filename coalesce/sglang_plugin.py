@@ -16,15 +16,14 @@ publisher's own knobs come from ``COALESCE_*`` variables (docs/sglang.md).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from coalesce._plugin import ENV_ENABLE, adopt_logging, enabled, serve_metrics_once
+from coalesce._plugin import ENV_ENABLE, Swap, enabled, serve_metrics_once
 
 __all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
 
 log = logging.getLogger("coalesce")
-_original: Any = None  # SGLang's "zmq" constructor, kept for unregister()
+_swap = Swap("SGLang", "sglang")
 
 
 def create_publisher(**kwargs: Any) -> Any:
@@ -50,7 +49,6 @@ def create_publisher(**kwargs: Any) -> Any:
 
 def register() -> None:
     """The plugin entry point.  Idempotent; cheap when disabled."""
-    global _original
     if not enabled():
         return
     try:
@@ -61,32 +59,17 @@ def register() -> None:
             ENV_ENABLE,
         )
         return
-    registry = EventPublisherFactory._registry
-    if registry.get("zmq") is create_publisher:
-        return
-    adopt_logging("sglang")
-    from coalesce._settings import Settings
     from coalesce.sglang import SGLangPublisher
 
-    _original = registry.get("zmq")
-    registry["zmq"] = create_publisher
-    # isinstance(pub, ZmqEventPublisher) true; nothing of SGLang's is inherited or run
-    ZmqEventPublisher.register(SGLangPublisher)
-    log.info(
-        "kv-coalesce: SGLang's 'zmq' KV-event publisher is now coalesce.sglang.SGLangPublisher "
-        "(pid %d); settings from COALESCE_*: %s",
-        os.getpid(),
-        Settings.resolve(),
+    _swap.install(
+        EventPublisherFactory._registry, create_publisher, ZmqEventPublisher, SGLangPublisher
     )
 
 
 def unregister() -> None:
     """Put SGLang's own ``"zmq"`` publisher back (roll back without restarting Python)."""
-    global _original
-    if _original is None:
+    if _swap.original is None:
         return
     from sglang.srt.disaggregation.kv_events import EventPublisherFactory
 
-    EventPublisherFactory._registry["zmq"] = _original
-    _original = None
-    log.info("kv-coalesce: SGLang's own 'zmq' publisher restored")
+    _swap.restore(EventPublisherFactory._registry)

@@ -16,15 +16,14 @@ from ``COALESCE_*`` variables (see docs/vllm.md).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from coalesce._plugin import ENV_ENABLE, adopt_logging, enabled, serve_metrics_once
+from coalesce._plugin import ENV_ENABLE, Swap, enabled, serve_metrics_once
 
 __all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
 
 log = logging.getLogger("coalesce")
-_original: Any = None  # vLLM's "zmq" constructor, kept for unregister()
+_swap = Swap("vLLM", "vllm")
 
 
 def create_publisher(**kwargs: Any) -> Any:
@@ -48,55 +47,32 @@ def create_publisher(**kwargs: Any) -> Any:
     return pub
 
 
-def _register_as_vllm_publisher() -> None:
-    """Make ``isinstance(pub, ZmqEventPublisher)`` (and ``EventPublisher``) true.
-
-    vLLM's publisher classes are ABCs, so :class:`~coalesce.CoalescingPublisher`
-    becomes a virtual subclass: nothing of vLLM's is inherited or run, and
-    vLLM is only imported here, when the plugin is active.  ABCs cannot forget
-    a registration, so after :func:`unregister` it stays true in this process.
-    """
-    from vllm.distributed.kv_events import ZmqEventPublisher
-
-    from coalesce.publisher import CoalescingPublisher
-
-    ZmqEventPublisher.register(CoalescingPublisher)
-
-
 def register() -> None:
-    """The plugin entry point.  Idempotent; cheap when disabled."""
-    global _original
+    """The plugin entry point.  Idempotent; cheap when disabled.
+
+    ``isinstance(pub, ZmqEventPublisher)`` (and ``EventPublisher``) then holds:
+    vLLM's publisher classes are ABCs, so the publisher becomes a virtual
+    subclass; ABCs cannot forget a registration, so after :func:`unregister`
+    it stays true in this process.
+    """
     if not enabled():
         return
     try:
-        from vllm.distributed.kv_events import EventPublisherFactory
+        from vllm.distributed.kv_events import EventPublisherFactory, ZmqEventPublisher
     except ImportError:
         log.warning("kv-coalesce: %s is set but vLLM cannot be imported; nothing done", ENV_ENABLE)
         return
-    registry = EventPublisherFactory._registry
-    if registry.get("zmq") is create_publisher:
-        return
-    adopt_logging("vllm")
-    from coalesce._settings import Settings
+    from coalesce.publisher import CoalescingPublisher
 
-    _original = registry.get("zmq")
-    registry["zmq"] = create_publisher
-    _register_as_vllm_publisher()
-    log.info(
-        "kv-coalesce: vLLM's 'zmq' KV-event publisher is now coalesce.CoalescingPublisher "
-        "(pid %d); settings from COALESCE_*: %s",
-        os.getpid(),
-        Settings.resolve(),
+    _swap.install(
+        EventPublisherFactory._registry, create_publisher, ZmqEventPublisher, CoalescingPublisher
     )
 
 
 def unregister() -> None:
     """Put vLLM's own ``"zmq"`` publisher back (roll back without a restart of Python)."""
-    global _original
-    if _original is None:
+    if _swap.original is None:
         return
     from vllm.distributed.kv_events import EventPublisherFactory
 
-    EventPublisherFactory._registry["zmq"] = _original
-    _original = None
-    log.info("kv-coalesce: vLLM's own 'zmq' publisher restored")
+    _swap.restore(EventPublisherFactory._registry)

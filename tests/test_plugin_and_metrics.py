@@ -1,4 +1,4 @@
-"""The vLLM plugin's behaviour without vLLM, and the Prometheus collector."""
+"""The plugins' behaviour without their engine installed, and the Prometheus collector."""
 
 from __future__ import annotations
 
@@ -7,28 +7,39 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-import coalesce.vllm_plugin as plugin
+import coalesce.sglang_plugin
+import coalesce.vllm_plugin
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.compactor import rule_stats
 from coalesce.metrics import StatsCollector, metric_names
 from coalesce.stats import PublisherStats, field_docs
 from tests.conftest import inproc
 
+PLUGINS = [
+    pytest.param((coalesce.vllm_plugin, "vllm"), id="vllm"),
+    pytest.param((coalesce.sglang_plugin, "sglang"), id="sglang"),
+]
 
-def test_plugin_is_inert_without_the_variable(monkeypatch, caplog):
+
+@pytest.fixture(params=PLUGINS)
+def plugin(request, monkeypatch):
+    """Each plugin, with its engine's package made unimportable."""
+    module, engine = request.param
+    for sub in ("", ".distributed", ".distributed.kv_events", ".srt"):
+        monkeypatch.setitem(sys.modules, engine + sub, None)  # importing it would raise
+    return module
+
+
+def test_plugin_is_inert_without_the_variable(plugin, monkeypatch, caplog):
     monkeypatch.delenv("COALESCE_KV_EVENTS", raising=False)
-    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would raise
-    plugin.register()  # returns before touching vllm
-    assert plugin._original is None and not caplog.records
+    plugin.register()  # returns before touching the engine
+    assert plugin._swap.original is None and not caplog.records
 
 
-def test_plugin_without_vllm_warns_and_does_nothing(monkeypatch, caplog):
+def test_plugin_without_its_engine_warns_and_does_nothing(plugin, monkeypatch, caplog):
     monkeypatch.setenv("COALESCE_KV_EVENTS", "1")
-    monkeypatch.setitem(sys.modules, "vllm", None)
-    monkeypatch.setitem(sys.modules, "vllm.distributed", None)
-    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_events", None)
     plugin.register()
-    assert "cannot be imported" in caplog.text
+    assert "cannot be imported" in caplog.text and plugin._swap.original is None
 
 
 def test_every_stat_is_documented_and_exported():
@@ -57,24 +68,21 @@ def test_collector_exposes_stats_with_conventional_names():
 
 
 @pytest.mark.parametrize("value", ["0", "", "off", "no", "false"])
-def test_plugin_disabled_values(monkeypatch, caplog, value):
+def test_plugin_disabled_values(plugin, monkeypatch, caplog, value):
     monkeypatch.setenv("COALESCE_KV_EVENTS", value)
-    monkeypatch.setitem(sys.modules, "vllm", None)
     plugin.register()
-    # enabled, it would have tried to import vllm and said so
-    assert plugin._original is None and "cannot be imported" not in caplog.text
+    # enabled, it would have tried to import its engine and said so
+    assert plugin._swap.original is None and "cannot be imported" not in caplog.text
 
 
 @pytest.mark.parametrize("value", ["1", "true", "yes", "on", " ON "])
-def test_plugin_enabled_values_try_vllm(monkeypatch, caplog, value):
+def test_plugin_enabled_values_try_the_engine(plugin, monkeypatch, caplog, value):
     monkeypatch.setenv("COALESCE_KV_EVENTS", value)
-    monkeypatch.setitem(sys.modules, "vllm", None)
     plugin.register()
     assert "cannot be imported" in caplog.text
 
 
-def test_plugin_rejects_a_value_that_is_not_a_flag(monkeypatch, caplog):
+def test_plugin_rejects_a_value_that_is_not_a_flag(plugin, monkeypatch, caplog):
     monkeypatch.setenv("COALESCE_KV_EVENTS", "maybe")
-    monkeypatch.setitem(sys.modules, "vllm", None)
     plugin.register()
     assert "is not a flag" in caplog.text and "cannot be imported" not in caplog.text
