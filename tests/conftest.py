@@ -208,3 +208,29 @@ def publish_in_thread(pub: Any, batches: list[Any]) -> threading.Thread:
     t = threading.Thread(target=lambda: [pub.publish(b) for b in batches], daemon=True)
     t.start()
     return t
+
+
+def assert_the_engines_publisher_blocks(theirs: Any, batches: list[Any]) -> None:
+    """The seed bug: with its sender stalled, the engine's own ``publish()`` blocks on
+    its full queue (and returns once the sender moves again)."""
+    stall = StalledSocket(theirs._pub)
+    theirs._pub = stall
+    t = publish_in_thread(theirs, batches)
+    wait_for(theirs._event_queue.full, what="the engine's queue to fill")
+    t.join(0.5)
+    assert t.is_alive(), "the engine's publish() is blocked on its full queue"
+    stall.release.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def assert_ours_never_blocks(ours: Any, batches: list[Any]) -> StalledSocket:
+    """The same stalled sender under coalesce: every ``publish()`` returns and nothing is
+    lost (the engine's publisher only waits).  Returns the stall, still held."""
+    stall = StalledSocket(ours._sender._pub)
+    ours._sender._use_pub(stall)
+    t = publish_in_thread(ours, batches)
+    t.join(10)
+    assert not t.is_alive(), "publish() must never block"
+    assert ours.stats().batches_dropped == 0, "a late sender loses nothing"
+    return stall

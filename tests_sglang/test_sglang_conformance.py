@@ -28,12 +28,11 @@ from coalesce.publisher import PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
 from coalesce.sglang import SGLangPublisher
 from tests.conftest import (
-    StalledSocket,
+    assert_ours_never_blocks,
+    assert_the_engines_publisher_blocks,
     free_port,
     held,
     inproc,
-    publish_in_thread,
-    wait_for,
 )
 
 END = b"\xff" * 8
@@ -308,25 +307,11 @@ def test_a_loss_marker_decodes_with_sglangs_types_and_leaves_no_hole(
 def test_the_seed_bug_sglang_blocks_and_coalesce_does_not(made) -> None:
     theirs = sk.ZmqEventPublisher(attn_dp_rank=0, endpoint=inproc("s"), max_queue_size=2)
     made.append(theirs)
-    stall_s = StalledSocket(theirs._pub)
-    theirs._pub = stall_s
-    t = publish_in_thread(theirs, [sbatch(sstore(i)) for i in range(10)])
-    wait_for(theirs._event_queue.full, what="SGLang's queue to fill")
-    t.join(0.5)
-    assert t.is_alive(), "SGLang's publish() is blocked on its full queue"
-    stall_s.release.set()
-    t.join(10)
-    assert not t.is_alive()
-
+    assert_the_engines_publisher_blocks(theirs, [sbatch(sstore(i)) for i in range(10)])
     ours = SGLangPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
     made.append(ours)
-    stall_c = StalledSocket(ours._sender._pub)
-    ours._sender._use_pub(stall_c)
-    t = publish_in_thread(ours, [sbatch(sstore(i)) for i in range(10)])
-    t.join(10)
-    assert not t.is_alive(), "publish() must never block"
-    assert ours.stats().batches_dropped == 0, "a late sender loses nothing (SGLang only waits)"
-    stall_c.release.set()
+    stall = assert_ours_never_blocks(ours, [sbatch(sstore(i)) for i in range(10)])
+    stall.release.set()
     assert ours.flush(10)
 
 

@@ -23,12 +23,12 @@ import coalesce.vllm_plugin as plugin
 from coalesce import CoalescingPublisher, PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
 from tests.conftest import (
-    StalledSocket,
+    assert_ours_never_blocks,
+    assert_the_engines_publisher_blocks,
     decode,
     free_port,
     held,
     inproc,
-    publish_in_thread,
     wait_for,
 )
 
@@ -404,23 +404,10 @@ def test_high_volume_from_another_thread(enabled, made, make_sub):
 def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
     theirs = vk.ZmqEventPublisher(data_parallel_rank=0, endpoint=inproc("v"), max_queue_size=2)
     made.append(theirs)
-    stall_v = StalledSocket(theirs._pub)
-    theirs._pub = stall_v
-    t = publish_in_thread(theirs, [vbatch(vstore(i)) for i in range(10)])
-    t.join(1.0)
-    assert t.is_alive(), "vLLM's publish() should be blocked on its full queue"
-    stall_v.release.set()
-    t.join(10)
-    assert not t.is_alive()
-
+    assert_the_engines_publisher_blocks(theirs, [vbatch(vstore(i)) for i in range(10)])
     ours = CoalescingPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
     made.append(ours)
-    stall_c = StalledSocket(ours._sender._pub)
-    ours._sender._use_pub(stall_c)
-    t = publish_in_thread(ours, [vbatch(vstore(i)) for i in range(10)])
-    t.join(10)
-    assert not t.is_alive(), "publish() must never block"
-    assert ours.stats().batches_dropped == 0, "a late sender loses nothing (vLLM only waits)"
+    stall_c = assert_ours_never_blocks(ours, [vbatch(vstore(i)) for i in range(10)])
     # stalled for stall_timeout: now the batch budget refuses, visibly
     wait_for(
         lambda: ours.publish(vbatch(vstore(99))) is PublishOutcome.DROPPED,
