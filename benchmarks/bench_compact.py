@@ -51,7 +51,7 @@ from bench_publish import make_batch
 
 from coalesce import compactor
 from coalesce._payoff import Payoff
-from coalesce._sender import folding_pays
+from coalesce._policy import folding_pays
 from coalesce.events import KVEventBatch
 from coalesce_tools.results import recording
 from coalesce_tools.workload import Engine, WorkloadConfig

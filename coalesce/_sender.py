@@ -33,6 +33,13 @@ import zmq
 from coalesce._backlog import Backlog, is_loss
 from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
 from coalesce._payoff import Payoff
+from coalesce._policy import (
+    YIELD_EVERY,
+    GilSlice,
+    folding_pays,
+    rules_window,
+    sends_whole,
+)
 from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
@@ -48,15 +55,7 @@ from coalesce.compactor import (
     rule_stats,
 )
 
-__all__ = [
-    "Level",
-    "PayloadWorker",
-    "Sender",
-    "pressed",
-    "rules_window",
-    "sends_whole",
-    "yield_slice",
-]
+__all__ = ["Level", "PayloadWorker", "Sender"]
 
 log = logging.getLogger("coalesce")
 
@@ -80,106 +79,6 @@ pipe, a system call: a few µs of the sender's CPU, which at every loop turn
 (two or more per engine step) was taken from the engine for requests that come
 once in minutes.  A request waits at most this long, or ``IDLE_POLL`` while
 the sender sleeps."""
-
-FOLD_GAINS_BELOW = 256
-"""Events per batch (a window's mean) under which folding a fold-only window pays.
-Folding saves one message per batch folded (the sends, an encoder call, a
-replay entry) and costs a classifying pass and a list copy per event; at about
-256 events a batch the two are even (docs/benchmarks.md), and above it each
-batch is sent as it is."""
-
-
-def folding_pays(events: int, batches: int) -> bool:
-    """Whether a window that is only folded (at the fold-only level, or the rules
-    level's fold-only way) of ``batches`` holding ``events`` is folded, or sent
-    batch by batch."""
-    return events < FOLD_GAINS_BELOW * batches
-
-
-YIELD_EVERY = 0.0005
-"""Seconds of continuous sender work after which it hands the GIL to the engine.
-Yielding after every step makes each step a GIL handoff (two context switches);
-never yielding lets the engine wait for CPython's 5 ms switch interval."""
-
-PRESSURE_FROM = 0.25
-"""Share of the event budget (``max_pending_events``) pending above which a sender
-losing ground holds the GIL for ``PRESSURE_SLICE`` before handing it back."""
-
-PRESSURE_SLICE = 0.005
-"""Seconds of continuous sender work under pressure: CPython's default switch
-interval, the longest an engine thread waits for the GIL from any other Python
-thread."""
-
-
-WHOLE_FROM = 0.5
-"""Share of the event budget pending above which the sender sends a batch larger
-than a window as it is, in one encode (:func:`sends_whole`)."""
-
-
-WIDEN_UP_TO = 4
-"""At most this many times ``max_events_per_step`` in one rules window, when the
-rest of the sender's GIL slice holds them at the rules' measured cost."""
-
-
-def rules_window(step: int, cost: float | None, room: float) -> int:
-    """Events the next rules window takes, O(1): as many as ``room`` seconds (the
-    rest of the sender's GIL slice) hold at ``cost`` seconds per event (the rules'
-    measured median), from ``step`` (``max_events_per_step``) up to
-    ``WIDEN_UP_TO`` x ``step``; ``step`` while the rules are not timed yet.
-
-    Each window costs a pass of Python around the C rules (take, encode, send,
-    count): a larger window pays it once for more events, and lets the rules
-    see more pairs to cancel.  Bounding it by the slice keeps the engine's wait
-    at a hand-over what the slice makes it.
-    """
-    if cost is None or cost <= 0.0:
-        return step
-    return min(WIDEN_UP_TO * step, max(step, int(room / cost)))
-
-
-def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
-    """Seconds of continuous work after which the sender yields the GIL, O(1).
-
-    ``YIELD_EVERY``, or ``PRESSURE_SLICE`` while the sender is losing ground
-    (more was pending when its slice began than when the one before it did)
-    with more than ``PRESSURE_FROM`` of the event budget pending (events, or
-    batches if more: both count to it).  A sender losing ground there will
-    reach the budget, and then the next batches would be refused, each a gap
-    (and a resync) for every subscriber: it takes the largest share of the GIL
-    a Python thread can hold next to a waiting engine, a bounded wait at the
-    engine's GIL hand-offs (never in ``publish()``'s own work) instead of a
-    loss.  A backlog that is deep but shrinking keeps the short slice.
-    """
-    return PRESSURE_SLICE if pressed(pending_events, budget, losing) else YIELD_EVERY
-
-
-def pressed(pending_events: int, budget: int, losing: bool) -> bool:
-    """Whether the sender is pressed, O(1): losing ground with more than
-    ``PRESSURE_FROM`` of the event budget pending.  Then it takes the longer GIL
-    slice (:func:`yield_slice`) and the cheaper way of the rules level at any
-    margin (``Payoff.record``): the next batches would be refused."""
-    return losing and pending_events > PRESSURE_FROM * budget
-
-
-def sends_whole(pending_events: int, budget: int) -> bool:
-    """Whether a batch larger than a window goes out as it is, in one encode, O(1):
-    while more than ``WHOLE_FROM`` of the event budget is pending (events, or
-    batches if more), whatever the rules in parts would save.
-
-    The rules in parts hand the GIL back between parts, and at a load that
-    fills the budget the engine publishes more in its turns than the sender's
-    slices drain (a slice ends at CPython's switch interval at the latest).
-    One encode holds the GIL for the whole batch, as vLLM's sender holds it
-    for each of its batches: the engine cannot publish its next batch before
-    this one is encoded, so it goes at the sender's pace instead of outrunning
-    it into a loss; the next batch waiting is folded into the same encode, so
-    that the sender drains two batches while the engine publishes one.
-    Whether the backlog is still growing does not matter here: a sender that
-    went back to parts whenever the backlog held steady would let it climb
-    again.
-    """
-    return pending_events > WHOLE_FROM * budget
-
 
 class Level(enum.IntEnum):
     """The ladder: what the sender does with the backlog (docs/backpressure.md)."""
@@ -407,9 +306,7 @@ class Sender:
         )
         self._worker: PayloadWorker | None = None  # started at the first big payload
         self._pending: _Pending | None = None
-        self._last_yield = 0.0
-        self._pending_at_yield = 0  # what was pending when the current slice began
-        self._losing = False  # more then than when the slice before it began
+        self._gil = GilSlice(backlog.max_events)
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
@@ -652,8 +549,8 @@ class Sender:
     def _rules_window(self, step: int) -> int:
         """:func:`rules_window` for this moment: the rest of this slice, the rules'
         median cost on this stream.  O(1)."""
-        held = time.perf_counter() - self._last_yield
-        return rules_window(step, self._payoff.costs()[0], self._slice() - held)
+        room = self._gil.room(time.perf_counter(), self._pending_for_budget())
+        return rules_window(step, self._payoff.costs()[0], room)
 
     def _stage_if_behind(self) -> None:
         """Under pressure, free the batch budget (O(1) per batch staged)."""
@@ -959,29 +856,22 @@ class Sender:
         self.totals.resync_events += len(chunk)
 
     def _maybe_yield(self) -> None:
-        """Hand the GIL to the engine if the sender has held it for its slice
-        (``yield_slice``: ``YIELD_EVERY``, longer near the event budget while
-        losing ground).  O(1)."""
-        held = time.perf_counter() - self._last_yield
-        if held < YIELD_EVERY:
-            return
-        if held < self._slice():
+        """Hand the GIL to the engine if the sender has held it for its turn
+        (:class:`~coalesce._policy.GilSlice`).  O(1)."""
+        gil, now = self._gil, time.perf_counter()
+        if now - gil.began < YIELD_EVERY or not gil.due(now, self._pending_for_budget()):
             return
         time.sleep(0)
-        self._last_yield = time.perf_counter()
-        # What the engine published while it had the GIL is in: did the last
-        # round (this slice, then the engine's turn) leave more pending?
-        pending = self._pending_for_budget()
-        self._losing = pending > self._pending_at_yield
-        self._pending_at_yield = pending
+        # what the engine published while it had the GIL is in: a new turn
+        gil.handed_over(time.perf_counter(), self._pending_for_budget())
 
     def _slice(self) -> float:
-        """:func:`yield_slice` now.  O(1)."""
-        return yield_slice(self._pending_for_budget(), self._backlog.max_events, self._losing)
+        """:func:`~coalesce._policy.yield_slice` now.  O(1)."""
+        return self._gil.length(self._pending_for_budget())
 
     def _pressed(self) -> bool:
-        """:func:`pressed` now.  O(1)."""
-        return pressed(self._pending_for_budget(), self._backlog.max_events, self._losing)
+        """:func:`~coalesce._policy.pressed` now.  O(1)."""
+        return self._gil.pressed(self._pending_for_budget())
 
     def _sends_whole(self) -> bool:
         """:func:`sends_whole` now.  O(1)."""

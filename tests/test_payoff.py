@@ -181,11 +181,11 @@ def run_at_the_edge(
     """:func:`run_held` (the rules forced to pay) on two big batches and four small
     ones, the budget set so that once the first is taken, just more
     (``near_budget``) or just less than ``WHOLE_FROM`` of it is pending."""
-    import coalesce._sender as sender
+    from coalesce._policy import WHOLE_FROM
 
     batches = [chain(1000, 600), chain(5000, 600)] + [offload_batch(i) for i in range(4)]
     behind = sum(len(b.events) for b in batches[1:])  # pending once the first is taken
-    budget = int(behind / sender.WHOLE_FROM) + (-1 if near_budget else 1)
+    budget = int(behind / WHOLE_FROM) + (-1 if near_budget else 1)
     st, received = run_held(
         pubs,
         make_sub,
@@ -264,7 +264,7 @@ def test_a_refused_batch_is_recorded_as_a_whole_send_would_be(pubs, monkeypatch,
 
 
 def test_sends_whole_past_its_share_of_the_budget_growing_or_not():
-    from coalesce._sender import PRESSURE_FROM, WHOLE_FROM, sends_whole
+    from coalesce._policy import PRESSURE_FROM, WHOLE_FROM, sends_whole
 
     budget = 1000
     floor = int(WHOLE_FROM * budget)

@@ -244,7 +244,7 @@ def test_the_fold_only_way_sends_big_batches_as_they_are(pubs, make_sub, monkeyp
     """Folding batches of 256 events or more would cost more than the messages it saves."""
     import coalesce._sender as sender
     from coalesce._payoff import Payoff
-    from coalesce._sender import FOLD_GAINS_BELOW
+    from coalesce._policy import FOLD_GAINS_BELOW
 
     class RulesNeverPay(Payoff):
         def rules_next(self) -> bool:
@@ -360,7 +360,7 @@ def test_event_budget_counts_events(pubs):
 
 
 def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losing_ground():
-    from coalesce._sender import PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY, pressed, yield_slice
+    from coalesce._policy import PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY, pressed, yield_slice
 
     budget = 1000
     floor = int(PRESSURE_FROM * budget)
@@ -377,7 +377,7 @@ def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losi
 
 
 def test_a_rules_window_holds_what_the_rest_of_the_slice_does():
-    from coalesce._sender import WIDEN_UP_TO, rules_window
+    from coalesce._policy import WIDEN_UP_TO, rules_window
 
     assert rules_window(512, None, 1.0) == 512  # the rules not timed yet
     assert rules_window(512, 0.0, 1.0) == 512
@@ -403,48 +403,55 @@ def test_rules_windows_widen_to_their_bound_and_keep_the_state_exact(
     # the rules on every window, and a slice that never ends: each window after the
     # first (timed) holds as many events as its bound lets it
     monkeypatch.setattr(sender.Payoff, "rules_next", lambda self: True)
-    monkeypatch.setattr(sender, "yield_slice", lambda *args: 1.0)
+    from coalesce import _policy
+
+    monkeypatch.setattr(_policy, "yield_slice", lambda *args: 1.0)
     ep = inproc("widen")
     sub = make_sub(ep)
     p = pubs(endpoint=ep, high_watermark=2, max_events_per_step=16)
     batches = [offload_batch(i) for i in range(600)]
     st, msgs = sent_while_held(p, sub, batches)
     rules = [n for n, fold_only in taken if not fold_only]
-    bound = sender.WIDEN_UP_TO * 16  # (batches of at most 3 events: whole batches)
+    bound = _policy.WIDEN_UP_TO * 16  # (batches of at most 3 events: whole batches)
     assert rules[0] <= 16 and bound - 3 < max(rules) <= bound
     assert st.batches_dropped == 0 and st.seq_gaps == 0
     assert_every_model_agrees(batches, [decode(m[2]) for m in msgs])
 
 
-def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground(pubs):
-    """The losing-ground decision itself, on a parked sender (its thread does not
-    run while the test calls its hand-over step)."""
-    from coalesce._sender import PRESSURE_SLICE, YIELD_EVERY
+def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground():
+    """The losing-ground decision, on the pure policy with a fake clock."""
+    from coalesce._policy import PRESSURE_SLICE, YIELD_EVERY, GilSlice
 
+    gil = GilSlice(budget=100)
+    held_for = (YIELD_EVERY + PRESSURE_SLICE) / 2  # past the short turn, within the long
+    now = 10.0
+    assert gil.due(now, 50)  # a hand-over: 50 pending now (over a quarter of the budget)
+    gil.handed_over(now, 50)
+    assert gil.losing  # 0 at the one before
+    assert not gil.due(now + held_for, 50)  # losing ground: the long turn
+    assert gil.room(now + held_for, 50) == pytest.approx(PRESSURE_SLICE - held_for)
+    now += 10.0
+    assert gil.due(now, 50)  # past the long turn too
+    gil.handed_over(now, 50)
+    assert not gil.losing  # still 50: not losing now
+    assert gil.due(now + held_for, 50)  # the short turn again
+    gil.handed_over(now + held_for, 60)
+    assert gil.losing  # 60 after 50
+    assert not gil.due(now + 2 * held_for, 60)
+    assert not GilSlice(budget=1000).pressed(60)  # under a quarter: never pressed
+
+
+def test_the_sender_hands_the_gil_over_through_its_policy(pubs):
+    """The sender's own hand-over step updates the policy's turn (a parked sender)."""
     pub = pubs(endpoint=inproc("pub"), max_pending_events=100)
     sender = pub._sender
-    held_for = (YIELD_EVERY + PRESSURE_SLICE) / 2  # past the short slice, within the long
     with held(pub):
         for _ in range(5):
             assert pub.publish(batch(*map(store, range(10)))) is PublishOutcome.QUEUED
-        # 50 events pending, over a quarter of the budget
-
-        def yielded(after: float) -> bool:
-            sender._last_yield = time.perf_counter() - after
-            before = sender._last_yield
-            sender._maybe_yield()
-            return sender._last_yield != before
-
-        assert yielded(10.0)  # a hand-over: 50 pending now, 0 at the one before
-        assert sender._losing
-        assert not yielded(held_for)  # losing ground: the long slice
-        assert yielded(10.0)  # past the long slice too; still 50: not losing now
-        assert not sender._losing
-        assert yielded(held_for)  # the short slice again
-        assert pub.publish(batch(*map(store, range(10, 20)))) is PublishOutcome.QUEUED
-        assert yielded(held_for)
-        assert sender._losing  # 60 after 50
-        assert not yielded(held_for)
+        sender._gil.began = 0.0  # the turn began long ago
+        sender._maybe_yield()
+        assert sender._gil.began > 0.0 and sender._gil.pending_at_start == 50
+        assert sender._gil.losing
 
 
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):

@@ -1,0 +1,165 @@
+"""The sender's policy: when it hands the GIL back, how wide a rules window is, when
+it folds, when it sends a batch whole.  Pure: numbers in, a decision out; the time is
+passed in by the caller, so the tests drive it with a fake clock and no thread.
+
+The constants are this project's 2-core VM's measurements (docs/decisions.md says
+which were judged where); each function is O(1).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FOLD_GAINS_BELOW",
+    "PRESSURE_FROM",
+    "PRESSURE_SLICE",
+    "WHOLE_FROM",
+    "WIDEN_UP_TO",
+    "YIELD_EVERY",
+    "GilSlice",
+    "folding_pays",
+    "pressed",
+    "rules_window",
+    "sends_whole",
+    "yield_slice",
+]
+
+FOLD_GAINS_BELOW = 256
+"""Events per batch (a window's mean) under which folding a fold-only window pays.
+Folding saves one message per batch folded (the sends, an encoder call, a
+replay entry) and costs a classifying pass and a list copy per event; at about
+256 events a batch the two are even (docs/benchmarks.md), and above it each
+batch is sent as it is."""
+
+
+def folding_pays(events: int, batches: int) -> bool:
+    """Whether a window that is only folded (at the fold-only level, or the rules
+    level's fold-only way) of ``batches`` holding ``events`` is folded, or sent
+    batch by batch."""
+    return events < FOLD_GAINS_BELOW * batches
+
+
+YIELD_EVERY = 0.0005
+"""Seconds of continuous sender work after which it hands the GIL to the engine.
+Yielding after every step makes each step a GIL handoff (two context switches);
+never yielding lets the engine wait for CPython's 5 ms switch interval."""
+
+PRESSURE_FROM = 0.25
+"""Share of the event budget (``max_pending_events``) pending above which a sender
+losing ground holds the GIL for ``PRESSURE_SLICE`` before handing it back."""
+
+PRESSURE_SLICE = 0.005
+"""Seconds of continuous sender work under pressure: CPython's default switch
+interval, the longest an engine thread waits for the GIL from any other Python
+thread."""
+
+
+WHOLE_FROM = 0.5
+"""Share of the event budget pending above which the sender sends a batch larger
+than a window as it is, in one encode (:func:`sends_whole`)."""
+
+
+WIDEN_UP_TO = 4
+"""At most this many times ``max_events_per_step`` in one rules window, when the
+rest of the sender's GIL slice holds them at the rules' measured cost."""
+
+
+def rules_window(step: int, cost: float | None, room: float) -> int:
+    """Events the next rules window takes, O(1): as many as ``room`` seconds (the
+    rest of the sender's GIL slice) hold at ``cost`` seconds per event (the rules'
+    measured median), from ``step`` (``max_events_per_step``) up to
+    ``WIDEN_UP_TO`` x ``step``; ``step`` while the rules are not timed yet.
+
+    Each window costs a pass of Python around the C rules (take, encode, send,
+    count): a larger window pays it once for more events, and lets the rules
+    see more pairs to cancel.  Bounding it by the slice keeps the engine's wait
+    at a hand-over what the slice makes it.
+    """
+    if cost is None or cost <= 0.0:
+        return step
+    return min(WIDEN_UP_TO * step, max(step, int(room / cost)))
+
+
+def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
+    """Seconds of continuous work after which the sender yields the GIL, O(1).
+
+    ``YIELD_EVERY``, or ``PRESSURE_SLICE`` while the sender is losing ground
+    (more was pending when its slice began than when the one before it did)
+    with more than ``PRESSURE_FROM`` of the event budget pending (events, or
+    batches if more: both count to it).  A sender losing ground there will
+    reach the budget, and then the next batches would be refused, each a gap
+    (and a resync) for every subscriber: it takes the largest share of the GIL
+    a Python thread can hold next to a waiting engine, a bounded wait at the
+    engine's GIL hand-offs (never in ``publish()``'s own work) instead of a
+    loss.  A backlog that is deep but shrinking keeps the short slice.
+    """
+    return PRESSURE_SLICE if pressed(pending_events, budget, losing) else YIELD_EVERY
+
+
+def pressed(pending_events: int, budget: int, losing: bool) -> bool:
+    """Whether the sender is pressed, O(1): losing ground with more than
+    ``PRESSURE_FROM`` of the event budget pending.  Then it takes the longer GIL
+    slice (:func:`yield_slice`) and the cheaper way of the rules level at any
+    margin (``Payoff.record``): the next batches would be refused."""
+    return losing and pending_events > PRESSURE_FROM * budget
+
+
+def sends_whole(pending_events: int, budget: int) -> bool:
+    """Whether a batch larger than a window goes out as it is, in one encode, O(1):
+    while more than ``WHOLE_FROM`` of the event budget is pending (events, or
+    batches if more), whatever the rules in parts would save.
+
+    The rules in parts hand the GIL back between parts, and at a load that
+    fills the budget the engine publishes more in its turns than the sender's
+    slices drain (a slice ends at CPython's switch interval at the latest).
+    One encode holds the GIL for the whole batch, as vLLM's sender holds it
+    for each of its batches: the engine cannot publish its next batch before
+    this one is encoded, so it goes at the sender's pace instead of outrunning
+    it into a loss; the next batch waiting is folded into the same encode, so
+    that the sender drains two batches while the engine publishes one.
+    Whether the backlog is still growing does not matter here: a sender that
+    went back to parts whenever the backlog held steady would let it climb
+    again.
+    """
+    return pending_events > WHOLE_FROM * budget
+
+
+class GilSlice:
+    """The sender's current turn with the GIL: when it began, and whether the sender is
+    losing ground (more was pending when it began than when the turn before it did).
+
+    The caller passes the time (``time.perf_counter()`` in the sender, a fake clock in
+    the tests) and what is pending for the event budget; nothing here reads a clock.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.began = 0.0
+        """When the current turn began (the last hand-over)."""
+        self.pending_at_start = 0
+        """What was pending for the budget when it began."""
+        self.losing = False
+        """More was pending then than when the turn before began."""
+
+    def length(self, pending: int) -> float:
+        """:func:`yield_slice` for this turn."""
+        return yield_slice(pending, self.budget, self.losing)
+
+    def pressed(self, pending: int) -> bool:
+        """:func:`pressed` for this turn."""
+        return pressed(pending, self.budget, self.losing)
+
+    def room(self, now: float, pending: int) -> float:
+        """Seconds left in this turn at ``now`` (negative once it is over)."""
+        return self.length(pending) - (now - self.began)
+
+    def due(self, now: float, pending: int) -> bool:
+        """Whether the sender hands the GIL back at ``now``."""
+        held = now - self.began
+        return held >= YIELD_EVERY and held >= self.length(pending)
+
+    def handed_over(self, now: float, pending: int) -> None:
+        """The GIL went to the engine and came back at ``now``, with ``pending`` for the
+        budget (what the engine published meanwhile included): a new turn begins."""
+        self.began = now
+        self.losing = pending > self.pending_at_start
+        self.pending_at_start = pending
