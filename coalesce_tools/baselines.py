@@ -101,20 +101,6 @@ class _ReimplementedStock:
 StockPublisher: Any = _VllmPublisher if REAL_VLLM else _ReimplementedStock
 
 
-class DropPublisher(StockPublisher):  # type: ignore[misc]
-    """The upstream drop-on-full proposal: put_nowait, drop the new batch, no gap."""
-
-    dropped = 0
-
-    def publish(self, events: Any) -> None:
-        if events.data_parallel_rank is None:
-            events.data_parallel_rank = self._data_parallel_rank if REAL_VLLM else self._rank
-        try:
-            self._event_queue.put_nowait(events)
-        except queue.Full:
-            self.dropped += 1
-
-
 class _ReimplementedSGLang(_ReimplementedStock):
     """SGLang 0.5.23's ZmqEventPublisher: vLLM's, with the rank in ``attn_dp_rank``."""
 
@@ -122,20 +108,33 @@ class _ReimplementedSGLang(_ReimplementedStock):
 
 
 class _DropOnFull:
-    """Mixed in first: put_nowait, drop the new batch when full, no gap."""
+    """Mixed in first: put_nowait, drop the new batch when full, no gap.  The class
+    made by :func:`_drop_variant` says where the batch's rank and the publisher's are."""
 
     dropped = 0
+    rank_field = "data_parallel_rank"
+    rank_attr = "_rank"
     _event_queue: queue.Queue[Any]
 
     def publish(self, events: Any) -> None:
-        rank_field = getattr(self, "rank_field", "attn_dp_rank")  # SGLang's class has none
-        if getattr(events, rank_field) is None:
-            rank = self.__dict__["_rank" if "_rank" in self.__dict__ else "_dp_rank"]
-            setattr(events, rank_field, rank)
+        if getattr(events, self.rank_field) is None:
+            setattr(events, self.rank_field, getattr(self, self.rank_attr))
         try:
             self._event_queue.put_nowait(events)
         except queue.Full:
             self.dropped += 1
+
+
+def _drop_variant(base: Any, rank_field: str, rank_attr: str) -> Any:
+    """``base`` with the upstream drop-on-full proposal's ``publish()``."""
+    attrs = {"rank_field": rank_field, "rank_attr": rank_attr}
+    return type(f"DropOnFull{base.__name__}", (_DropOnFull, base), attrs)
+
+
+DropPublisher: Any = _drop_variant(
+    StockPublisher, "data_parallel_rank", "_data_parallel_rank" if REAL_VLLM else "_rank"
+)
+"""vLLM's publisher with the upstream drop-on-full proposal (vLLM PR #53883)."""
 
 
 def _real_sglang() -> Any:
@@ -154,5 +153,6 @@ def stock_publisher(engine: str, drop: bool = False) -> tuple[Any, bool]:
     real = _real_sglang()
     base = real if real is not None else _ReimplementedSGLang
     if drop:
-        return type("SGLangDropPublisher", (_DropOnFull, base), {}), real is not None
+        rank_attr = "_dp_rank" if real is not None else "_rank"
+        return _drop_variant(base, "attn_dp_rank", rank_attr), real is not None
     return base, real is not None
