@@ -108,12 +108,12 @@ def _log_start(
 
 
 def _process_supported(
-    endpoints: tuple[str | None, ...], settings: Settings, *, explicit_bind: bool = False
+    endpoints: tuple[str | None, ...], settings: Settings, *, other_bind: bool = False
 ) -> bool:
     """Whether ``coalescer="process"`` can serve these endpoints; says why not if not."""
     why = None
-    if explicit_bind:
-        why = "it applies vLLM's bind rule to the endpoint, and bind was given"
+    if other_bind:
+        why = "it applies vLLM's bind rule to the endpoint, and bind says otherwise"
     elif any(ep is not None and ep.startswith("inproc://") for ep in endpoints):
         why = "inproc endpoints live in one process"
     elif settings.move_events:
@@ -215,7 +215,8 @@ class CoalescingPublisher:
         if not pub_ep:
             raise ValueError(f"endpoint must be a ZeroMQ endpoint, got {endpoint!r}")
 
-        binds = is_bind_endpoint(pub_ep) if bind is None else bind
+        vllm_binds = is_bind_endpoint(pub_ep)
+        binds = vllm_binds if bind is None else bind
         self._binds = binds
         link: CoalescerProcess | None = None
         socks: Sockets | None = None
@@ -223,7 +224,7 @@ class CoalescingPublisher:
         self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
         st = self.settings
         if st.coalescer == "process" and _process_supported(
-            (pub_ep, replay_ep, snap_ep), st, explicit_bind=bind is not None
+            (pub_ep, replay_ep, snap_ep), st, other_bind=binds != vllm_binds
         ):
             link = _start_coalescer(
                 endpoint=pub_ep,

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from coalesce._settings import Settings, is_bind_endpoint, offset_endpoint
+from coalesce._settings import Settings, is_bind_endpoint
 from coalesce.events import EventBatch as _RankedBatch
 from coalesce.publisher import CoalescingPublisher, PublishOutcome
 
@@ -137,10 +137,8 @@ class SGLangPublisher(CoalescingPublisher):
         why = _unsupported(keywords)
         if why is not None:
             raise ValueError(why)
-        if bind is None and isinstance(endpoint, str) and isinstance(attn_dp_rank, int):
-            ours = offset_endpoint(endpoint, attn_dp_rank) if attn_dp_rank >= 0 else None
-            if ours and _sglang_binds(ours) != is_bind_endpoint(ours):
-                bind = True  # only 0.0.0.0 differs: say it, or vLLM's rule would connect
+        if bind is None and isinstance(endpoint, str):  # (the rank offset keeps the host)
+            bind = _sglang_binds(endpoint)
         super().__init__(
             attn_dp_rank,
             endpoint,
