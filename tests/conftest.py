@@ -134,6 +134,15 @@ def make_sub() -> Iterator[Callable[..., Sub]]:
         s.close()
 
 
+@pytest.fixture
+def made() -> Iterator[list[Any]]:
+    """Publishers a test made (any engine's): shut down at its end."""
+    pubs: list[Any] = []
+    yield pubs
+    for p in pubs:
+        p.shutdown()
+
+
 @contextmanager
 def held(pub: Any) -> Iterator[None]:
     """Hold a publisher's sender thread still: nothing leaves the backlog until we exit.

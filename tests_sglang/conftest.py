@@ -8,4 +8,4 @@ pytest.importorskip(
     "sglang.srt.disaggregation.kv_events", reason="the SGLang conformance tier needs sglang"
 )
 
-from tests.conftest import make_sub  # noqa: F401  (fixture re-export)
+from tests.conftest import made, make_sub  # noqa: F401  (fixture re-export)

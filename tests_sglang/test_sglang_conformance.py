@@ -51,14 +51,6 @@ def enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     plugin.unregister()
 
 
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    pubs: list[Any] = []
-    yield pubs
-    for p in pubs:
-        p.shutdown()
-
-
 def create(made: list[Any], rank: int = 0, **fields: Any) -> Any:
     pub = sk.EventPublisherFactory.create(json.dumps({"publisher": "zmq", **fields}), rank)
     made.append(pub)

@@ -6,4 +6,4 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_events", reason="the conformance tier needs vllm")
 
-from tests.conftest import make_sub  # noqa: F401  (fixture re-export)
+from tests.conftest import made, make_sub  # noqa: F401  (fixture re-export)

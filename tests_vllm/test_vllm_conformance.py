@@ -47,14 +47,6 @@ def enabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     plugin.unregister()
 
 
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    pubs: list[Any] = []
-    yield pubs
-    for p in pubs:
-        p.shutdown()
-
-
 def create(made: list[Any], rank: int = 0, **fields: Any) -> Any:
     cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **fields)
     pub = vk.EventPublisherFactory.create(cfg, rank)
