@@ -17,13 +17,7 @@ go through four paths, timed in alternation and reported as medians:
   the rules (C, ``compact_for_wire``) or the fold, as its :class:`~coalesce._payoff.Payoff` chooses
   from the windows timed before (now and then the other way); ``rules ran`` is
   the share of windows that ran the rules.  (The sender's fold way takes 4x
-  larger windows; here every path gets the same windows);
-- ``payload``: the C rules on the folded (always), encoded window
-  (``compact_payload``) alone: the work the sender does without the GIL, or
-  what a separate coalescer process would spend on the payloads an
-  engine-side sender handed it;
-- ``fold+payload``: fold, encode, then ``compact_payload``: all the CPU of the
-  sender's payload path, of which the ``fold`` part holds the GIL.
+  larger windows; here every path gets the same windows).
 
 The target (issue 8) is compaction plus encoding at most 1.0x ``raw`` with events at most
 0.5x and bytes at most 0.8x of raw.  Output: a markdown table for
@@ -102,7 +96,7 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
     def raw(w: Window) -> Any:
         return [enc.encode(b) for b in w]
 
-    def fold_all(w: Window) -> Any:  # what the payload path and the coalescer process fold
+    def fold_all(w: Window) -> Any:
         return [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
 
     def fold(w: Window) -> Any:  # the sender's fold-only level at its defaults
@@ -135,19 +129,6 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         tally[1] += 1
         return out
 
-    folded: dict[int, list[bytes]] = {}
-    never = 1 << 62  # time the work itself, not a GIL hand-off
-
-    def payload(w: Window) -> Any:
-        payloads = folded.get(id(w))
-        if payloads is None:  # prepared once, outside the timed runs (alternate() warms up)
-            payloads = folded[id(w)] = fold_all(w)
-            return None
-        return [compactor.compact_payload(p, never) for p in payloads]
-
-    def fold_payload(w: Window) -> Any:
-        return [compactor.compact_payload(p, never) for p in fold_all(w)]
-
     paths = {
         "raw": raw,
         "fold": fold,
@@ -155,11 +136,9 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         "rules C wire": rules_wire,
         "level": level,
         "rules py": rules_py,
-        "payload": payload,
-        "fold+payload": fold_payload,
     }
     if accel is None:
-        for name in ("rules C", "rules C wire", "level", "payload", "fold+payload"):
+        for name in ("rules C", "rules C wire", "level"):
             del paths[name]
     return paths
 
@@ -223,10 +202,6 @@ def volume(windows: list[Window]) -> tuple[float, float]:
         sent = [enc.encode(b) for b in out]
         b_out += sum(map(len, sent))
         assert [enc.encode(b) for b in compactor.compact_for_wire(w)[0]] == sent
-        if compactor._accel is not None:  # the payload path sends the very same bytes
-            folded = [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
-            results = [compactor.compact_payload(p) for p in folded]
-            assert [r[0] if r else p for r, p in zip(results, folded, strict=True)] == sent
     return ev_out / ev_in, b_out / b_in
 
 
@@ -244,10 +219,9 @@ def main() -> None:
     print(
         "| workload | batches/window | raw encode ns/event | fold+enc | rules C+enc "
         "| rules C wire+enc "
-        "| rules level | rules ran | rules py+enc | payload rules | fold+enc+payload "
-        "| events out | bytes out |"
+        "| rules level | rules ran | rules py+enc | events out | bytes out |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
         per, ran = measure(windows, args.seconds, args.rounds)
@@ -256,12 +230,10 @@ def main() -> None:
         c = f"{per['rules C'] / raw:.2f}x" if "rules C" in per else "n/a"
         cw = f"{per['rules C wire'] / raw:.2f}x" if "rules C wire" in per else "n/a"
         lv = f"{per['level'] / raw:.2f}x | {ran:.0%}" if "level" in per else "n/a | n/a"
-        pl = f"{per['payload'] / raw:.2f}x" if "payload" in per else "n/a"
-        fp = f"{per['fold+payload'] / raw:.2f}x" if "fold+payload" in per else "n/a"
         bpw = statistics.mean(len(w) for w in windows)
         print(
             f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | {cw} "
-            f"| {lv} | {per['rules py'] / raw:.1f}x | {pl} | {fp} | {events:.2f} | {nbytes:.2f} |",
+            f"| {lv} | {per['rules py'] / raw:.1f}x | {events:.2f} | {nbytes:.2f} |",
             flush=True,
         )
 

@@ -8,14 +8,11 @@ events, as bench_publish builds them) and many small ones (about 20 events:
 real SUB socket is connected and read by a process of its own
 (benchmarks/_reader.py), so sends cost what they cost with a subscriber.
 Publishers alternate; medians of ``--repeats`` runs, each about 1.3 M events
-(shorter runs, a fraction of a second, vary by 2x on this machine).
-``coalesce, payload rules`` is coalesce with the opt-in ``payload_rules``,
-``coalesce, process`` with the opt-in ``coalescer="process"``; wire bytes are
-over what encoding every batch gives; CPU is the engine's process's (every
-thread; the reader is a process of its own), and a coalescer process's
-apart; "raw encode" is the CPU of encoding every batch once, in the same
-run.  Every publisher binds tcp loopback (a coalescer process cannot serve
-inproc), and the reader is connected before the clock starts.
+(shorter runs, a fraction of a second, vary by 2x on this machine).  Wire
+bytes are over what encoding every batch gives; CPU is the engine's
+process's (every thread; the reader is a process of its own); "raw encode"
+is the CPU of encoding every batch once, in the same run.  Every publisher
+binds tcp loopback, and the reader is connected before the clock starts.
 
     .venv-vllm/bin/python benchmarks/bench_drain.py   # against the real vLLM class
 """
@@ -42,16 +39,7 @@ from coalesce import CoalescingPublisher
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import recording
 
-PAYLOAD = "coalesce, payload rules"
-PROCESS = "coalesce, process"
 _ENC = msgspec.msgpack.Encoder()
-
-
-def _cpu_of(pid: int) -> float:
-    """User + system CPU seconds of another process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -59,7 +47,6 @@ class Drain:
     seconds: float
     wire_bytes: float
     cpu: float  # the engine's process, every thread
-    helper_cpu: float  # a coalescer process's
 
 
 def drain_once(kind: str, batches: list[Any]) -> Drain:
@@ -80,15 +67,11 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
             max_queue_size=big,
             hwm=0,
             max_pending_events=100 * big,  # everything is published at once
-            payload_rules=kind == PAYLOAD,
-            coalescer="process" if kind == PROCESS else "thread",
         )
-    link = getattr(getattr(pub, "_sender", None), "_link", None)
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
     for b in batches:
         b.data_parallel_rank = None
-    helper0 = _cpu_of(link.pid) if link is not None else 0.0
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     for b in batches:
@@ -100,7 +83,6 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
         assert pub.flush(120)
     dt = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
-    helper = _cpu_of(link.pid) - helper0 if link is not None else 0.0
     if kind != "stock":
         st = pub.stats()
         assert st.batches_dropped == 0
@@ -109,7 +91,7 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
         nbytes = float(sum(len(_ENC.encode(b)) for b in batches))
     pub.shutdown()
     stop_reader(reader)
-    return Drain(dt, nbytes, cpu, helper)
+    return Drain(dt, nbytes, cpu)
 
 
 def main() -> None:
@@ -123,13 +105,11 @@ def main() -> None:
         f"{args.repeats} alternating runs\n"
     )
     print(
-        "| workload | batches | events | stock Mev/s | coalesce / stock | payload rules / stock "
-        "| process / stock | wire bytes: coalesce | payload rules | process "
-        "| engine CPU/event vs stock: coalesce | payload rules | process "
-        "| process: its coalescer's CPU/event vs stock | process: engine CPU vs raw encode |"
+        "| workload | batches | events | stock Mev/s | coalesce / stock | wire bytes vs stock "
+        "| engine CPU vs stock | engine CPU vs raw encode |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    kinds = ("stock", "coalesce", PAYLOAD, PROCESS)
+    print("|---|---|---|---|---|---|---|---|")
+    kinds = ("stock", "coalesce")
     for name, blocks, n in (("big (~110 events)", 37, 12_000), ("small (~20 events)", 7, 60_000)):
         batches = [make_batch(i, blocks) for i in range(n)]
         events = sum(len(b.events) for b in batches)
@@ -149,13 +129,10 @@ def main() -> None:
         rate = {k: events / med(k, "seconds") / 1e6 for k in kinds}
         cpu = {k: med(k, "cpu") / med("stock", "cpu") for k in kinds}
         wire = {k: runs[k][-1].wire_bytes / runs["stock"][-1].wire_bytes for k in kinds}
-        helper = med(PROCESS, "helper_cpu") / med("stock", "cpu")
-        cells = [f"{rate[k] / rate['stock']:.2f}" for k in kinds[1:]]
-        cells += [f"{wire[k]:.2f}" for k in kinds[1:]]
-        cells += [f"{cpu[k]:.2f}" for k in kinds[1:]]
         print(
-            f"| {name} | {n:,} | {events:,} | {rate['stock']:.2f} | {' | '.join(cells)} "
-            f"| {helper:.2f} | {med(PROCESS, 'cpu') / statistics.median(encode):.2f} |",
+            f"| {name} | {n:,} | {events:,} | {rate['stock']:.2f} "
+            f"| {rate['coalesce'] / rate['stock']:.2f} | {wire['coalesce']:.2f} "
+            f"| {cpu['coalesce']:.2f} | {med('coalesce', 'cpu') / statistics.median(encode):.2f} |",
             flush=True,
         )
 

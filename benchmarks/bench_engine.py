@@ -8,8 +8,7 @@ column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
 alternate, ``--rounds`` times per size; medians.  ``coalesce+snap`` records
-for snapshots (``snapshot_endpoint``), ``coalesce+proc`` runs a coalescer
-process (both opt-in).  ``engine vs stock`` is the
+for snapshots (``snapshot_endpoint``, opt-in).  ``engine vs stock`` is the
 loop's wall time over stock's in the same round; ``publish()`` percentiles
 are of every call of the round (medians over rounds).  ``stock blocked``: the
 most calls in a round that found vLLM's queue full (its ``publish()`` waited).
@@ -49,7 +48,7 @@ from coalesce._sender import IDLE_POLL
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import recording
 
-KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+proc")
+KINDS = ("stock", "coalesce", "coalesce+snap")
 FLOORS = ("floor: call", "floor: wake")
 
 
@@ -128,7 +127,6 @@ def one_run(
             0,
             endpoint=endpoint,
             max_queue_size=100,
-            coalescer="process" if kind == "coalesce+proc" else "thread",
             snapshot_endpoint=f"tcp://*:{snap_port}" if kind == "coalesce+snap" else None,
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")

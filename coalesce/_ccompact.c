@@ -36,13 +36,6 @@
  *
  * Cost: O(events + block hashes) time and memory per call, with the GIL held;
  * the caller bounds the window (max_events_per_step).
- *
- * compact_payload() runs the same rules on an encoded batch instead (see "the
- * payload path" below): it parses the msgpack bytes into the same records,
- * writes the result by copying byte ranges, touches no Python object between
- * its input and its output, and so runs without the GIL for big payloads.
- * It has its own state (buffers and busy flag), so it never waits for, or
- * disturbs, a compact_events call in another thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -283,17 +276,14 @@ typedef struct {
 } Desc;
 
 /* Everything one call works in.  Kept across calls (a fresh allocation per
- * window cost more in page faults than the rules), one per entry point: the
- * object path runs with the GIL held, the payload path mostly without it, so
- * they never share buffers.  `busy` (read and set with the GIL held) makes a
- * call that finds its state in use decline. */
+ * window cost more in page faults than the rules).  `busy` (read and set with
+ * the GIL held) makes a call that finds its state in use decline. */
 typedef struct {
     Table ids;
     struct {
         Buf src, hids, op_idx, op_pos, op_prior, op_sure, alive, dead, items_a, items_b;
         Buf last_op, last_child, by_hash, by_key, removed;
         Buf g_key_any, g_key_store, g_hash_any, g_parent_of, g_chain_end, g_groups, g_next;
-        Buf rsrc, hv, parents, aspans, out; /* the payload path only */
         Buf wire; /* compact_window(wire=True): one per-block array's encoding */
     } bufs;
     Desc descs[MAX_DESCS];
@@ -302,7 +292,6 @@ typedef struct {
 } State;
 
 static State g_obj; /* compact_events */
-static State g_raw; /* compact_payload */
 
 static void segvec_trim(SegVec *v) {
     if ((size_t)v->cap * sizeof(Seg) > KEEP_BYTES) {
@@ -321,16 +310,6 @@ static void trim_all(State *st) {
     for (int j = 0; j < MAX_DESCS; j++) segvec_trim(&st->descs[j].segs);
 }
 
-/* The payload path's view of one event: where its parts are in the payload. */
-typedef struct {
-    uint32_t off, len; /* the whole event */
-    uint32_t a0, na;   /* its fields compared for a merge: aspans[a0 .. a0+na) */
-    uint64_t asig;     /* a hash of those spans' bytes: unequal, they differ */
-    /* where the values of block_hashes, token_ids, extra_keys and
-     * lookahead_token_ids start and end (P_* order); 0: nil, or absent */
-    uint32_t at[4], end[4];
-} RSrc;
-
 enum { P_HASHES, P_TOKENS, P_EXTRA, P_LOOK };
 
 /* Items per block in a per-block field of src s: 1, or block_size for tokens. */
@@ -338,10 +317,6 @@ static inline Py_ssize_t per_block_k(const Src *s, int slot) {
     if (slot != P_TOKENS) return 1;
     return s->tok_nonempty ? s->bs : 0;
 }
-
-typedef struct {
-    uint32_t off, len; /* one key and its value */
-} ASpan;
 
 typedef struct {
     Py_ssize_t nsrc, nkeys;
@@ -355,9 +330,6 @@ typedef struct {
     int ngroups;
     uint32_t mgs[MAX_MG];
     State *st;
-    const unsigned char *raw; /* the payload (payload path); NULL on the object path */
-    RSrc *rs;
-    ASpan *aspans;
 } Window;
 
 #define KID(w, hid, mg) ((Py_ssize_t)(hid) * (w)->nmg + (mg))
@@ -527,19 +499,11 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     return 1;
 }
 
-/* Fields a merge requires equal.  Objects: identity, then == (all atomic, so no
- * Python code runs).  Payload: the same keys with the same encoded values. */
+/* Fields a merge requires equal: identity, then == (all atomic, so no Python
+ * code runs). */
 static int attrs_equal(const Window *w, const Src *a, const Src *b) {
+    (void)w;
     if (a->ti != b->ti) return 0;
-    if (w->raw != NULL) {
-        const RSrc *x = &w->rs[a - w->src], *y = &w->rs[b - w->src];
-        if (x->asig != y->asig || x->na != y->na) return 0;
-        for (uint32_t i = 0; i < x->na; i++) {
-            ASpan p = w->aspans[x->a0 + i], q = w->aspans[y->a0 + i];
-            if (p.len != q.len || memcmp(w->raw + p.off, w->raw + q.off, p.len) != 0) return 0;
-        }
-        return 1;
-    }
     for (int i = 0; i < a->ti->n_attr; i++) {
         PyObject *x = FIELD(a->ev, a->ti->attr_off[i]);
         PyObject *y = FIELD(b->ev, b->ti->attr_off[i]);
@@ -1118,527 +1082,6 @@ fail:
     return NULL;
 }
 
-/* ---- the payload path: the same rules on an encoded batch ------------------ */
-
-/* A batch msgspec has encoded ([ts, events, rank] or [ts, events, rank, id],
- * each event a map whose first key is "type") is read where it lies: block
- * hashes and parents parsed, every other value only measured.  The rules above
- * run on the same records, and the result is written by copying the input's
- * bytes: an unchanged event whole, a changed one key by key, with its
- * per-block arrays concatenated from its segments' elements.  No Python object
- * is read or built between the input and the output, so all of it can run
- * without the GIL.  Values are compared by their encoding, which for the
- * values msgspec writes (canonical ints and strs, nil) is the same as equality;
- * where it is not (1 against 1.0), the rules merge less, never wrongly. */
-
-typedef struct {
-    const unsigned char *p, *end;
-} Rd;
-
-typedef struct {
-    uint64_t v;   /* the uint, or a hash of the bin's bytes */
-    uint32_t off; /* the bin's bytes (len >= 0) */
-    int32_t len;  /* -1 for a uint */
-} HV;
-
-static inline uint64_t be_n(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
-    return v;
-}
-
-static inline int rd_has(const Rd *r, size_t n) { return (size_t)(r->end - r->p) >= n; }
-
-/* A str: its bytes.  0 if the next value is not one. */
-static int rd_str(Rd *r, const unsigned char **s, uint32_t *len) {
-    if (!rd_has(r, 1)) return 0;
-    unsigned b = r->p[0];
-    size_t h, n;
-    if ((b & 0xe0) == 0xa0) {
-        h = 1;
-        n = b & 0x1f;
-    } else if (b == 0xd9 || b == 0xda || b == 0xdb) {
-        int w = b == 0xd9 ? 1 : b == 0xda ? 2 : 4;
-        if (!rd_has(r, 1 + (size_t)w)) return 0;
-        h = 1 + (size_t)w;
-        n = (size_t)be_n(r->p + 1, w);
-    } else {
-        return 0;
-    }
-    if (!rd_has(r, h + n)) return 0;
-    *s = r->p + h;
-    *len = (uint32_t)n;
-    r->p += h + n;
-    return 1;
-}
-
-/* An array's (map: 1) length.  0 if the next value is not one, or cannot fit. */
-static int rd_len(Rd *r, int map, uint32_t *n) {
-    if (!rd_has(r, 1)) return 0;
-    unsigned b = r->p[0];
-    uint64_t v;
-    if ((b & 0xf0) == (map ? 0x80u : 0x90u)) {
-        v = b & 0x0f;
-        r->p += 1;
-    } else if (b == (map ? 0xdeu : 0xdcu) || b == (map ? 0xdfu : 0xddu)) {
-        int w = (b == 0xde || b == 0xdc) ? 2 : 4;
-        if (!rd_has(r, 1 + (size_t)w)) return 0;
-        v = be_n(r->p + 1, w);
-        r->p += 1 + w;
-    } else {
-        return 0;
-    }
-    if (v > (uint64_t)(r->end - r->p) / (map ? 2u : 1u)) return 0; /* each item is a byte at least */
-    *n = (uint32_t)v;
-    return 1;
-}
-
-static inline int rd_nil(Rd *r) {
-    if (rd_has(r, 1) && r->p[0] == 0xc0) {
-        r->p++;
-        return 1;
-    }
-    return 0;
-}
-
-/* Past any one value.  0 if it is malformed or nested deeper than 32. */
-static int rd_skip(Rd *r, int depth) {
-    if (!rd_has(r, 1) || depth > 32) return 0;
-    unsigned b = r->p[0];
-    size_t n;
-    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
-        r->p++;
-        return 1;
-    }
-    if ((b & 0xe0) == 0xa0 || b == 0xd9 || b == 0xda || b == 0xdb) {
-        const unsigned char *s;
-        uint32_t len;
-        return rd_str(r, &s, &len);
-    }
-    if ((b & 0xf0) == 0x90 || (b & 0xf0) == 0x80 || b == 0xdc || b == 0xdd || b == 0xde ||
-        b == 0xdf) {
-        int map = (b & 0xf0) == 0x80 || b == 0xde || b == 0xdf;
-        uint32_t k;
-        if (!rd_len(r, map, &k)) return 0;
-        uint64_t items = (uint64_t)k * (map ? 2 : 1);
-        for (uint64_t i = 0; i < items; i++)
-            if (!rd_skip(r, depth + 1)) return 0;
-        return 1;
-    }
-    switch (b) {
-    case 0xcc: case 0xd0: n = 2; break;
-    case 0xcd: case 0xd1: n = 3; break;
-    case 0xce: case 0xd2: case 0xca: n = 5; break;
-    case 0xcf: case 0xd3: case 0xcb: n = 9; break;
-    case 0xd4: n = 3; break; /* fixext 1, 2, 4, 8, 16: type + data */
-    case 0xd5: n = 4; break;
-    case 0xd6: n = 6; break;
-    case 0xd7: n = 10; break;
-    case 0xd8: n = 18; break;
-    case 0xc4: case 0xc5: case 0xc6: case 0xc7: case 0xc8: case 0xc9: {
-        int w = (b == 0xc4 || b == 0xc7) ? 1 : (b == 0xc5 || b == 0xc8) ? 2 : 4;
-        int ext = b >= 0xc7;
-        if (!rd_has(r, 1 + (size_t)w)) return 0;
-        n = 1 + (size_t)w + (size_t)ext + (size_t)be_n(r->p + 1, w);
-        break;
-    }
-    default:
-        return 0; /* 0xc1: never used */
-    }
-    if (!rd_has(r, n)) return 0;
-    r->p += n;
-    return 1;
-}
-
-/* A cheap running hash of byte spans (a bin block hash; the merge fields): one
- * multiply per 8 bytes.  Only a filter: equal values are compared byte by byte,
- * and the table mixes it (rhash_id) before using its bits. */
-static inline uint64_t sig_add(uint64_t h, const unsigned char *p, uint32_t n) {
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t x;
-        memcpy(&x, p + i, 8);
-        h = (h ^ x) * 0x9e3779b97f4a7c15ULL;
-    }
-    for (; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ULL;
-    return h ^ n;
-}
-
-/* A block hash: a uint, or a bin.  0 for anything else (as the object path,
- * which takes exact ints in [0, 2**64) and exact bytes). */
-static int rd_hash(Rd *r, const unsigned char *base, HV *h) {
-    if (!rd_has(r, 1)) return 0;
-    unsigned b = r->p[0];
-    if (b <= 0x7f) {
-        h->v = b;
-        h->len = -1;
-        r->p++;
-        return 1;
-    }
-    if (b >= 0xcc && b <= 0xcf) {
-        int w = 1 << (b - 0xcc);
-        if (!rd_has(r, 1 + (size_t)w)) return 0;
-        h->v = be_n(r->p + 1, w);
-        h->len = -1;
-        r->p += 1 + w;
-        return 1;
-    }
-    if (b >= 0xc4 && b <= 0xc6) {
-        int w = 1 << (b - 0xc4);
-        if (!rd_has(r, 1 + (size_t)w)) return 0;
-        size_t n = (size_t)be_n(r->p + 1, w);
-        if (!rd_has(r, 1 + (size_t)w + n)) return 0;
-        const unsigned char *s = r->p + 1 + w;
-        h->off = (uint32_t)(s - base);
-        h->len = (int32_t)n;
-        h->v = sig_add(0, s, (uint32_t)n);
-        r->p = s + n;
-        return 1;
-    }
-    return 0;
-}
-
-/* A signed int's value.  0 if the next value is not an int that fits int64. */
-static int rd_int(Rd *r, int64_t *out) {
-    if (!rd_has(r, 1)) return 0;
-    unsigned b = r->p[0];
-    if (b <= 0x7f || b >= 0xe0) {
-        *out = (int8_t)b;
-        r->p++;
-        return 1;
-    }
-    int w, sign;
-    if (b >= 0xcc && b <= 0xcf) {
-        w = 1 << (b - 0xcc);
-        sign = 0;
-    } else if (b >= 0xd0 && b <= 0xd3) {
-        w = 1 << (b - 0xd0);
-        sign = 1;
-    } else {
-        return 0;
-    }
-    if (!rd_has(r, 1 + (size_t)w)) return 0;
-    uint64_t v = be_n(r->p + 1, w);
-    if (sign && w < 8 && (v >> (8 * w - 1))) v |= ~0ULL << (8 * w); /* sign-extend */
-    if (!sign && v > (uint64_t)INT64_MAX) return 0;
-    *out = (int64_t)v;
-    r->p += 1 + w;
-    return 1;
-}
-
-/* Open addressing over HVs, as hash_id over objects. */
-typedef struct {
-    uint64_t v;
-    uint32_t off;
-    int32_t len;
-    int32_t id;
-    uint32_t gen;
-} RSlot;
-
-typedef struct {
-    RSlot *s;
-    size_t mask, cap; /* as Table's */
-    uint32_t gen;
-} RTable;
-
-static RTable g_rids; /* the payload path's (g_raw's) */
-
-static int rtable_init(RTable *t, Py_ssize_t n) {
-    return slots_init((void **)&t->s, &t->mask, &t->cap, &t->gen, sizeof(RSlot), n);
-}
-
-static inline int32_t rhash_id(RTable *t, const unsigned char *base, const HV *h, int32_t *next) {
-    size_t i = (size_t)mix64(h->v ^ (h->len < 0 ? 0 : 0x5bd1e995ULL)) & t->mask;
-    for (;;) {
-        RSlot *s = &t->s[i];
-        if (s->gen != t->gen) {
-            s->v = h->v;
-            s->off = h->off;
-            s->len = h->len;
-            s->gen = t->gen;
-            s->id = (*next)++;
-            return s->id;
-        }
-        if (s->v == h->v && s->len == h->len &&
-            (h->len < 0 || memcmp(base + s->off, base + h->off, (size_t)h->len) == 0))
-            return s->id;
-        i = (i + 1) & t->mask;
-    }
-}
-
-/* Append n bytes of room to a Buf used as a growing array of `size`-byte items
- * (*count of them); returns the new item, NULL on memory error. */
-static void *buf_push(Buf *b, Py_ssize_t *count, size_t size) {
-    void *p = buf_get(b, ((size_t)*count + 1) * size);
-    if (p == NULL) return NULL;
-    return (char *)p + (size_t)(*count)++ * size;
-}
-
-enum { F_OTHER, F_HASHES, F_PARENT, F_TOKENS, F_BS, F_MEDIUM, F_GROUP, F_EXTRA, F_LOOK };
-
-static inline int field_of(const unsigned char *s, uint32_t n) {
-#define IS(lit) (memcmp(s, lit, sizeof(lit) - 1) == 0) /* a constant size: inlined */
-    switch (n) { /* one comparison per key: the names' lengths tell most apart */
-    case 6: return IS("medium") ? F_MEDIUM : F_OTHER;
-    case 9: return IS("token_ids") ? F_TOKENS : IS("group_idx") ? F_GROUP : F_OTHER;
-    case 10: return IS("block_size") ? F_BS : IS("extra_keys") ? F_EXTRA : F_OTHER;
-    case 12: return IS("block_hashes") ? F_HASHES : F_OTHER;
-    case 17: return IS("parent_block_hash") ? F_PARENT : F_OTHER;
-    case 19: return IS("lookahead_token_ids") ? F_LOOK : F_OTHER;
-    default: return F_OTHER;
-    }
-#undef IS
-}
-
-/* Past one value, quickly when it is an int (token ids): rd_skip otherwise. */
-static inline int rd_skip_item(Rd *r) {
-    if (r->p < r->end) {
-        unsigned b = r->p[0];
-        if (b <= 0x7f || b >= 0xe0) {
-            r->p++;
-            return 1;
-        }
-        if (b >= 0xcc && b <= 0xd3) {
-            size_t n = 1 + ((size_t)1 << (b & 3));
-            if (!rd_has(r, n)) return 0;
-            r->p += n;
-            return 1;
-        }
-    }
-    return rd_skip(r, 1);
-}
-
-/* A (medium or group) value's id among the window's, by its encoding; -1 past MAX_IDS. */
-static int intern_span(uint32_t *offs, uint32_t *lens, int *n, const unsigned char *base,
-                       uint32_t off, uint32_t len) {
-    for (int i = 0; i < *n; i++)
-        if (lens[i] == len && memcmp(base + offs[i], base + off, len) == 0) return i;
-    if (*n >= MAX_IDS) return -1;
-    offs[*n] = off;
-    lens[*n] = len;
-    return (*n)++;
-}
-
-typedef struct {
-    uint32_t ev_hdr, ev_end; /* the events array: its header's offset, its end */
-    uint32_t med_off[MAX_IDS], med_len[MAX_IDS], grp_off[MAX_IDS], grp_len[MAX_IDS];
-    int nmed, ngrp, nil_grp;
-} RInfo;
-
-/* Read payload[0 .. len) into w.  1 on success, 0 to decline, -1 on memory error. */
-static int read_payload(const unsigned char *raw, size_t len, Window *w, RInfo *ri) {
-    State *st = w->st;
-    /* one pseudo-class per kind: the tag is the class */
-    static TypeInfo kinds[4] = {{.kind = K_OPAQUE}, {.kind = K_STORED}, {.kind = K_REMOVED},
-                                {.kind = K_CLEARED}};
-    Rd r = {raw, raw + len};
-    uint32_t top, n;
-    if (len >= ((size_t)1 << 32) || !rd_len(&r, 0, &top) || (top != 3 && top != 4)) return 0;
-    if (!rd_skip(&r, 0)) return 0; /* ts */
-    ri->ev_hdr = (uint32_t)(r.p - raw);
-    if (!rd_len(&r, 0, &n) || (Py_ssize_t)n > MAX_WINDOW) return 0;
-    w->raw = raw;
-    w->nsrc = n;
-    w->src = (Src *)buf_get(&st->bufs.src, (size_t)n * sizeof(Src));
-    w->rs = (RSrc *)buf_get(&st->bufs.rsrc, (size_t)n * sizeof(RSrc));
-    HV *parents = (HV *)buf_get(&st->bufs.parents, (size_t)n * sizeof(HV));
-    if (w->src == NULL || w->rs == NULL || parents == NULL) return -1;
-    memset(w->src, 0, (size_t)n * sizeof(Src));
-    memset(w->rs, 0, (size_t)n * sizeof(RSrc));
-    Py_ssize_t nhv = 0, nasp = 0, total = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        Src *s = &w->src[i];
-        RSrc *rs = &w->rs[i];
-        const unsigned char *s0 = r.p, *key;
-        uint32_t nk, klen;
-        if (!rd_len(&r, 1, &nk) || nk == 0 || !rd_str(&r, &key, &klen) ||
-            !(klen == 4 && memcmp(key, "type", 4) == 0) || !rd_str(&r, &key, &klen))
-            return 0;
-        int kind;
-        if (klen == 11 && memcmp(key, "BlockStored", 11) == 0) kind = K_STORED;
-        else if (klen == 12 && memcmp(key, "BlockRemoved", 12) == 0) kind = K_REMOVED;
-        else if (klen == 16 && memcmp(key, "AllBlocksCleared", 16) == 0) kind = K_CLEARED;
-        else return 0;
-        s->kind = kind;
-        s->ti = &kinds[kind];
-        s->parent = -1;
-        s->extra_none = s->look_none = 1;
-        rs->off = (uint32_t)(s0 - raw);
-        if (kind == K_CLEARED) {
-            if (nk != 1) return 0; /* a clear has no fields */
-            rs->len = (uint32_t)(r.p - s0);
-            continue;
-        }
-        unsigned seen = 0;
-        uint32_t ntok = 0, nextra = 0, nlook = 0, med = 0, med_len = 1, grp = 0, grp_len = 1;
-        int64_t bs = -1;
-        int has_parent = 0;
-        rs->a0 = (uint32_t)nasp;
-        s->h0 = nhv;
-        for (uint32_t f = 1; f < nk; f++) {
-            const unsigned char *k0 = r.p;
-            if (!rd_str(&r, &key, &klen)) return 0;
-            int fld = field_of(key, klen);
-            if (fld != F_OTHER) {
-                if (seen & (1u << fld)) return 0;
-                seen |= 1u << fld;
-            }
-            uint32_t voff = (uint32_t)(r.p - raw);
-            if (klen == 4 && memcmp(key, "type", 4) == 0) return 0; /* a second tag */
-            int per_block = fld == F_HASHES || (kind == K_STORED && (fld == F_PARENT || fld == F_TOKENS ||
-                                                                    fld == F_EXTRA || fld == F_LOOK));
-            if (fld == F_HASHES) {
-                uint32_t c;
-                if (!rd_len(&r, 0, &c)) return 0;
-                s->n = c;
-                for (uint32_t j = 0; j < c; j++) {
-                    HV *h = (HV *)buf_push(&st->bufs.hv, &nhv, sizeof(HV));
-                    if (h == NULL) return -1;
-                    if (!rd_hash(&r, raw, h)) return 0;
-                }
-                rs->at[P_HASHES] = voff;
-                rs->end[P_HASHES] = (uint32_t)(r.p - raw);
-            } else if (kind == K_STORED && fld == F_PARENT) {
-                if (!rd_nil(&r)) {
-                    if (!rd_hash(&r, raw, &parents[i])) return 0;
-                    has_parent = 1;
-                }
-            } else if (kind == K_STORED && (fld == F_TOKENS || fld == F_EXTRA || fld == F_LOOK)) {
-                uint32_t c = 0;
-                if (fld != F_TOKENS && rd_nil(&r)) continue;
-                if (!rd_len(&r, 0, &c)) return 0;
-                for (uint32_t j = 0; j < c; j++)
-                    if (!rd_skip_item(&r)) return 0;
-                int slot = fld == F_TOKENS ? P_TOKENS : fld == F_EXTRA ? P_EXTRA : P_LOOK;
-                rs->at[slot] = voff;
-                rs->end[slot] = (uint32_t)(r.p - raw);
-                if (fld == F_TOKENS) {
-                    ntok = c;
-                } else if (fld == F_EXTRA) {
-                    nextra = c;
-                    s->extra_none = 0;
-                } else {
-                    nlook = c;
-                    s->look_none = 0;
-                }
-            } else {
-                const unsigned char *v0 = r.p;
-                if (fld == F_BS && kind == K_STORED) {
-                    if (!rd_int(&r, &bs) || bs < 0 || bs > (1LL << 30)) return 0;
-                } else if (fld == F_MEDIUM) {
-                    const unsigned char *m;
-                    uint32_t ml;
-                    if (!rd_nil(&r) && !rd_str(&r, &m, &ml)) return 0;
-                } else if (fld == F_GROUP) {
-                    int64_t g;
-                    if (!rd_nil(&r) && !rd_int(&r, &g)) return 0;
-                } else if (!rd_skip(&r, 1)) {
-                    return 0;
-                }
-                if (fld == F_MEDIUM) {
-                    med = (uint32_t)(v0 - raw);
-                    med_len = (uint32_t)(r.p - v0);
-                } else if (fld == F_GROUP) {
-                    grp = (uint32_t)(v0 - raw);
-                    grp_len = (uint32_t)(r.p - v0);
-                }
-            }
-            if (!per_block) {
-                ASpan *a = (ASpan *)buf_push(&st->bufs.aspans, &nasp, sizeof(ASpan));
-                if (a == NULL) return -1;
-                a->off = (uint32_t)(k0 - raw);
-                a->len = (uint32_t)(r.p - k0);
-                rs->asig = sig_add(rs->asig, k0, a->len);
-            }
-        }
-        rs->na = (uint32_t)nasp - rs->a0;
-        rs->len = (uint32_t)(r.p - s0);
-        if (!(seen & (1u << F_HASHES)) || !(seen & (1u << F_MEDIUM))) return 0;
-        /* a missing group_idx is its default, None: the same group as an encoded nil */
-        if (grp == 0 || (grp_len == 1 && raw[grp] == 0xc0)) {
-            if (ri->nil_grp < 0 && ri->ngrp < MAX_IDS) {
-                ri->grp_off[ri->ngrp] = 0;
-                ri->grp_len[ri->ngrp] = 0; /* matches no encoded value */
-                ri->nil_grp = ri->ngrp++;
-            }
-            grp = UINT32_MAX;
-        }
-        int mid = intern_span(ri->med_off, ri->med_len, &ri->nmed, raw, med, med_len);
-        int gid = grp == UINT32_MAX ? ri->nil_grp
-                                    : intern_span(ri->grp_off, ri->grp_len, &ri->ngrp, raw, grp, grp_len);
-        if (mid < 0 || gid < 0) return 0;
-        s->mg = mg_id(w, mid, gid);
-        if (s->mg < 0) return 0;
-        total += s->n + 1;
-        if (kind != K_STORED) continue;
-        if (!(seen & (1u << F_PARENT)) || !(seen & (1u << F_TOKENS)) || !(seen & (1u << F_BS)))
-            return 0;
-        if (s->n == 0) return 0;
-        s->bs = (Py_ssize_t)bs;
-        s->tok_nonempty = ntok > 0;
-        s->splittable = !(ntok && (int64_t)ntok != bs * (int64_t)s->n) &&
-                        (s->extra_none || nextra == s->n) && (s->look_none || nlook == s->n);
-        s->parent = has_parent ? -3 : -1; /* -3: its id is assigned below */
-    }
-    ri->ev_end = (uint32_t)(r.p - raw);
-    for (uint32_t t = 2; t < top; t++)
-        if (!rd_skip(&r, 0)) return 0; /* rank, publisher_id */
-    if (r.p != r.end) return 0;
-    if (total > MAX_WINDOW) return 0;
-    /* ids: every hash of each event, then its parent (as read_window) */
-    w->hids = (int32_t *)buf_get(&st->bufs.hids, (size_t)(nhv + 1) * sizeof(int32_t));
-    if (w->hids == NULL || !rtable_init(&g_rids, total)) return -1;
-    w->nkeys = total;
-    HV *hv = (HV *)st->bufs.hv.p;
-    int32_t next = 0;
-    Py_ssize_t k = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        Src *s = &w->src[i];
-        if (s->kind == K_CLEARED) continue;
-        for (Py_ssize_t j = 0; j < s->n; j++, k++) w->hids[k] = rhash_id(&g_rids, raw, &hv[k], &next);
-        if (s->parent == -3) s->parent = rhash_id(&g_rids, raw, &parents[i], &next);
-    }
-    w->nids = next;
-    if (w->nmg == 0) w->nmg = 1;
-    if ((Py_ssize_t)w->nids * w->nmg > 16 * total + 65536) return 0;
-    return 1;
-}
-
-/* ---- writing the result ---------------------------------------------------- */
-
-typedef struct {
-    Buf *b;
-    size_t len;
-} Wr;
-
-static int wr(Wr *o, const void *p, size_t n) {
-    unsigned char *d = (unsigned char *)buf_get(o->b, o->len + n);
-    if (d == NULL) return 0;
-    if (n) memcpy(d + o->len, p, n);
-    o->len += n;
-    return 1;
-}
-
-/* An array header, as msgspec writes it (the shortest form). */
-static int wr_array_header(Wr *o, uint64_t n) {
-    unsigned char h[5];
-    size_t k;
-    if (n < 16) {
-        h[0] = (unsigned char)(0x90 | n);
-        k = 1;
-    } else if (n < 65536) {
-        h[0] = 0xdc;
-        h[1] = (unsigned char)(n >> 8);
-        h[2] = (unsigned char)n;
-        k = 3;
-    } else {
-        h[0] = 0xdd;
-        for (int i = 0; i < 4; i++) h[1 + i] = (unsigned char)(n >> (24 - 8 * i));
-        k = 5;
-    }
-    return wr(o, h, k);
-}
-
 /* ---- compact_window(wire=True): per-block arrays written as msgspec would ---- */
 
 static PyObject *s_raw_type = NULL; /* msgspec.Raw, imported on first use */
@@ -1765,189 +1208,6 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
     PyObject *raw = PyObject_CallOneArg(s_raw_type, bytes);
     Py_DECREF(bytes);
     return raw;
-}
-
-/* The per-block field `slot` of an item: the concatenation of its segments'
- * elements [start*k, end*k).  1, 0 to decline, -1 on memory error. */
-static int wr_concat(const Window *w, Wr *o, const SegVec *segs, const Item *it, int slot) {
-    uint64_t total = 0;
-    for (Py_ssize_t q = 0; q < it->nseg; q++) {
-        Seg g = segs->v[it->seg0 + q];
-        total += (uint64_t)(g.end - g.start) * (uint64_t)per_block_k(&w->src[g.src], slot);
-    }
-    if (total >= ((uint64_t)1 << 32)) return 0;
-    if (!wr_array_header(o, total)) return -1;
-    for (Py_ssize_t q = 0; q < it->nseg; q++) {
-        Seg g = segs->v[it->seg0 + q];
-        const RSrc *rs = &w->rs[g.src];
-        uint64_t k = (uint64_t)per_block_k(&w->src[g.src], slot);
-        if (k == 0) continue;
-        if (rs->at[slot] == 0) return 0; /* its field is nil: the rules never pair those */
-        Rd r = {w->raw + rs->at[slot], w->raw + rs->end[slot]};
-        uint32_t c;
-        if (!rd_len(&r, 0, &c) || c < (uint64_t)g.end * k) return 0;
-        if (g.start == 0 && (uint64_t)g.end * k == c) { /* all of it: no element is parsed */
-            if (!wr(o, r.p, (size_t)(r.end - r.p))) return -1;
-            continue;
-        }
-        for (uint64_t j = 0; j < (uint64_t)g.start * k; j++)
-            if (!rd_skip_item(&r)) return 0;
-        const unsigned char *m = r.p;
-        for (uint64_t j = (uint64_t)g.start * k; j < (uint64_t)g.end * k; j++)
-            if (!rd_skip_item(&r)) return 0;
-        if (!wr(o, m, (size_t)(r.p - m))) return -1;
-    }
-    return 1;
-}
-
-/* One output event: its source's bytes, or (changed) its base's keys in order
- * with the per-block arrays rebuilt, as build_item rebuilds the object. */
-static int wr_item(const Window *w, Wr *o, const SegVec *segs, const Item *it) {
-    const Src *base = &w->src[it->base];
-    const RSrc *rb = &w->rs[it->base];
-    const unsigned char *e0 = w->raw + rb->off;
-    if (!it->changed) return wr(o, e0, rb->len) ? 1 : -1;
-    Rd r = {e0, e0 + rb->len};
-    const unsigned char *key;
-    uint32_t nk, klen;
-    if (!rd_len(&r, 1, &nk) || !rd_str(&r, &key, &klen) || !rd_str(&r, &key, &klen)) return 0;
-    if (!wr(o, e0, (size_t)(r.p - e0))) return -1; /* header, "type" and the tag */
-    for (uint32_t f = 1; f < nk; f++) {
-        const unsigned char *k0 = r.p;
-        if (!rd_str(&r, &key, &klen)) return 0;
-        int fld = field_of(key, klen);
-        int slot = fld == F_HASHES ? P_HASHES
-                   : base->kind != K_STORED ? -1
-                   : fld == F_TOKENS ? P_TOKENS
-                   : fld == F_EXTRA ? P_EXTRA
-                   : fld == F_LOOK ? P_LOOK : -1;
-        int replace = slot == P_HASHES || (slot == P_TOKENS && base->tok_nonempty) ||
-                      (slot == P_EXTRA && !base->extra_none) || (slot == P_LOOK && !base->look_none);
-        const unsigned char *v0 = r.p;
-        if (slot >= 0 && rb->at[slot] != 0) {
-            r.p = w->raw + rb->end[slot]; /* measured when read */
-        } else if (!rd_skip(&r, 1)) {
-            return 0;
-        }
-        if (!replace) {
-            if (!wr(o, k0, (size_t)(r.p - k0))) return -1;
-            continue;
-        }
-        if (!wr(o, k0, (size_t)(v0 - k0))) return -1;
-        int c = wr_concat(w, o, segs, it, slot);
-        if (c <= 0) return c;
-    }
-    return 1;
-}
-
-typedef struct {
-    Py_ssize_t events_out;
-    long superseded, cancelled, merged;
-    int same; /* nothing changed: the input is the result */
-} RResult;
-
-/* The rules on payload[0 .. len), the result written to st->bufs.out (res).
- * Touches no Python object.  1, 0 to decline, -1 on memory error. */
-static int run_payload(State *st, const unsigned char *raw, size_t len, RResult *res, size_t *out_len) {
-    Window w;
-    memset(&w, 0, sizeof(w));
-    w.st = st;
-    RInfo ri;
-    memset(&ri, 0, sizeof(ri));
-    ri.nil_grp = -1;
-    int r = read_payload(raw, len, &w, &ri);
-    if (r <= 0) return r;
-    w.aspans = (ASpan *)st->bufs.aspans.p;
-    SegVec sa = st->segs_a, sb = st->segs_b;
-    sa.n = sb.n = 0;
-    Py_ssize_t n = w.nsrc, last_clear = -1, na = 0;
-    for (Py_ssize_t i = n - 1; i >= 0; i--)
-        if (w.src[i].kind == K_CLEARED) {
-            last_clear = i;
-            break;
-        }
-    res->superseded = last_clear > 0 ? (long)last_clear : 0;
-    res->cancelled = res->merged = 0;
-    Item *a = NULL;
-    SegVec *rs = NULL;
-    r = run_rules(&w, last_clear + 1, &sa, &sb, &a, &na, &rs, &res->cancelled, &res->merged);
-    if (r <= 0) goto done;
-    Py_ssize_t head = last_clear >= 0 ? 1 : 0;
-    res->events_out = head + na;
-    res->same = head + na == n;
-    for (Py_ssize_t i = 0; res->same && i < na; i++)
-        res->same = !a[i].changed && a[i].base == (int32_t)(head + i);
-    r = 1;
-    if (res->same) goto done;
-    Wr o = {&st->bufs.out, 0};
-    if (!wr(&o, raw, ri.ev_hdr) || !wr_array_header(&o, (uint64_t)(head + na)) ||
-        (head && !wr(&o, raw + w.rs[last_clear].off, w.rs[last_clear].len))) {
-        r = -1;
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < na; i++) {
-        r = wr_item(&w, &o, rs, &a[i]);
-        if (r <= 0) goto done;
-    }
-    r = wr(&o, raw + ri.ev_end, len - ri.ev_end) ? 1 : -1;
-    *out_len = o.len;
-done:
-    st->segs_a = sa;
-    st->segs_b = sb;
-    return r;
-}
-
-PyDoc_STRVAR(compact_payload_doc,
-             "compact_payload(payload, release_at) -> (payload, events, superseded, cancelled,\n"
-             "merged) | None\n\n"
-             "compact_events' rules on one encoded batch (msgpack [ts, events, rank] or\n"
-             "[ts, events, rank, publisher_id]), read and written as bytes: the result\n"
-             "encodes what compact_events would return for the decoded events, or is the\n"
-             "very same payload when no rule changed anything.  None for a payload this\n"
-             "path declines (one it cannot read, an unknown event tag, a value the\n"
-             "object path would decline, or the path busy in another thread).  Runs\n"
-             "without the GIL for payloads of at least release_at bytes.\n"
-             "O(payload bytes) time and memory.");
-
-static PyObject *cc_compact_payload(PyObject *self, PyObject *args) {
-    PyObject *payload;
-    Py_ssize_t release_at;
-    if (!PyArg_ParseTuple(args, "O!n", &PyBytes_Type, &payload, &release_at)) return NULL;
-    State *st = &g_raw;
-    if (st->busy) Py_RETURN_NONE;
-    st->busy = 1;
-    const unsigned char *raw = (const unsigned char *)PyBytes_AS_STRING(payload);
-    size_t len = (size_t)PyBytes_GET_SIZE(payload);
-    RResult res;
-    size_t out_len = 0;
-    /* `payload` is immutable, and the caller's reference keeps it alive */
-    PyThreadState *ts = NULL;
-    if ((Py_ssize_t)len >= release_at) {
-        cs_gil_releases_count++;
-        ts = PyEval_SaveThread();
-    }
-    int r = run_payload(st, raw, len, &res, &out_len);
-    if (ts != NULL) PyEval_RestoreThread(ts);
-    PyObject *result = NULL;
-    if (r < 0) {
-        PyErr_NoMemory();
-    } else if (r == 0) {
-        Py_INCREF(Py_None);
-        result = Py_None;
-    } else {
-        PyObject *out = payload;
-        if (res.same)
-            Py_INCREF(out);
-        else
-            out = PyBytes_FromStringAndSize((const char *)st->bufs.out.p, (Py_ssize_t)out_len);
-        if (out != NULL)
-            result = Py_BuildValue("(Nnlll)", out, res.events_out, res.superseded, res.cancelled,
-                                   res.merged);
-    }
-    trim_all(st);
-    slots_trim((void **)&g_rids.s, &g_rids.mask, &g_rids.cap, sizeof(RSlot));
-    st->busy = 0;
-    return result;
 }
 
 /* ---- entry points --------------------------------------------------------- */
@@ -2404,7 +1664,6 @@ static PyMethodDef cc_methods[] = {
     {"all_known", cc_all_known, METH_O, all_known_doc},
     {"register", cc_register, METH_VARARGS, register_doc},
     {"compact_events", cc_compact_events, METH_O, compact_doc},
-    {"compact_payload", cc_compact_payload, METH_VARARGS, compact_payload_doc},
     {"register_batch", cc_register_batch, METH_VARARGS, register_batch_doc},
     {"compact_window", cc_compact_window, METH_VARARGS, compact_window_doc},
     {NULL, NULL, 0, NULL},

@@ -31,7 +31,6 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
-from coalesce._coalescer import AS_IS, COMPACT, GAP, INVALIDATE, RECORD, CoalescerProcess
 from coalesce._payoff import Payoff
 from coalesce._policy import (
     YIELD_EVERY,
@@ -44,29 +43,22 @@ from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
 from coalesce._stream import Stream
-from coalesce._wire import Encoder, SendMessage, is_native, message_sender, open_sockets
+from coalesce._wire import Encoder, SendMessage, is_native, message_sender
 from coalesce.compactor import (
-    PAYLOAD_RELEASE_AT,
-    accelerated,
     compact,
     compact_for_wire,
-    compact_payload,
     compactable,
     rule_stats,
 )
 
-__all__ = ["Level", "PayloadWorker", "Sender"]
+__all__ = ["Level", "Sender"]
 
 log = logging.getLogger("coalesce")
 
 IDLE_POLL = 0.005
 """Seconds an idle sender sleeps before looking again (at replay and snapshot
-requests, a coalescer process's health, heartbeats).  ``publish()`` wakes it at
+requests, heartbeats).  ``publish()`` wakes it at
 once."""
-
-PIPE_TIMEOUT = 10.0
-"""Seconds the sender waits for room in a coalescer process's pipe before it stops
-that process and publishes from the engine's process itself."""
 
 RESYNC_SHARE = 4
 """A resync starts only while the recorder holds at most 1/RESYNC_SHARE of the event
@@ -135,7 +127,6 @@ class Totals:
     events_merged: int = 0
     events_superseded: int = 0
     fold_only_passes: int = 0
-    payload_passes: int = 0
     resync_events: int = 0
     resyncs: int = 0
     rules_skipped: int = 0
@@ -145,11 +136,6 @@ class Totals:
         self.fold_only_passes += fold_only
         for field, stat in _RULE_STATS:
             setattr(self, stat, getattr(self, stat) + getattr(report, field))
-
-    def add_payload(self, superseded: int, cancelled: int, merged: int) -> None:
-        self.events_superseded += superseded
-        self.blocks_cancelled += cancelled
-        self.events_merged += merged
 
     def add_abandoned(self, batches: int, events: int) -> None:
         self.abandoned_batches += batches
@@ -162,77 +148,6 @@ class Totals:
 
 _RULE_STATS = rule_stats()
 _PUBLISHED = [f for f in fields(Totals) if not f.name.startswith("abandoned")]
-
-
-class PayloadWorker:
-    """A helper thread that runs :func:`compact_payload` on one payload at a time.
-
-    The C payload rules release the GIL, so while this thread compacts window
-    N the sender thread folds and encodes window N+1: the sender's serial work
-    stays what folding and encoding cost.  It touches nothing of the sender's
-    (it returns the result; the sender thread alone sends, records and counts),
-    so a late or dead helper can only make the sender send a window
-    uncompacted, never lose or reorder one.
-    """
-
-    def __init__(self) -> None:
-        self._job: bytes | None = None
-        self._result: tuple[bytes, int, int, int, int] | None = None
-        self._ready = threading.Event()
-        self._done = threading.Event()
-        self._stop = False
-        self.busy = False
-        self._thread = threading.Thread(target=self._run, name="coalesce-compactor", daemon=True)
-        self._thread.start()
-
-    def submit(self, payload: bytes) -> None:
-        """Start compacting ``payload`` (only when not :attr:`busy`).  O(1)."""
-        self._job, self._result, self.busy = payload, None, True
-        self._done.clear()
-        self._ready.set()
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds (GIL released) for the submitted job."""
-        return self._done.wait(timeout)
-
-    def take(self) -> tuple[bytes, int, int, int, int] | None:
-        """The finished job's result (None: it declined or failed).  Only after
-        :meth:`wait` said True.  O(1)."""
-        self.busy = False
-        return self._result
-
-    def stop(self) -> None:
-        self._stop = True
-        self._ready.set()
-
-    def _run(self) -> None:
-        while True:
-            self._ready.wait()
-            self._ready.clear()
-            if self._stop:
-                return
-            try:
-                job, self._job = self._job, None
-                self._result = None if job is None else compact_payload(job)
-            except BaseException:  # MemoryError, say: the sender sends it uncompacted
-                self._result = None
-            self._done.set()
-
-
-WORKER_TIMEOUT = 10.0
-"""Seconds the sender waits for the helper's result before sending the window
-uncompacted (the C work is O(bytes): only a machine starved of CPU gets near it)."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A window whose payload the helper is compacting: sent and recorded when done."""
-
-    payload: bytes
-    n_events: int
-    batches: list[Any]  # what the recorder sees, in order
-    window: int  # input batches it finishes
-    events_in: int
 
 
 class Sender:
@@ -250,7 +165,6 @@ class Sender:
         settings: Settings,
         snapshot: SnapshotService | None = None,
         publisher_id: bytes | None = None,
-        link: CoalescerProcess | None = None,
     ) -> None:
         self._rank = rank
         self._encoder = Encoder(publisher_id)
@@ -261,27 +175,21 @@ class Sender:
             self._encoder,
             rank,
             settings.loss_marker,
-            beats=publisher_id is not None and link is None,  # else the process beats
+            beats=publisher_id is not None,
         )
         self._pub: zmq.Socket[bytes] | None = None
         self._send_message: SendMessage | None = None
         self._native_send = False
         if pub is not None:
             self._use_pub(pub)
-        self._link = link
-        """The coalescer process that sends for this one (``coalescer="process"``), until
-        it fails: then this thread binds the endpoints and sends itself."""
         self._router = router
-        self._topic = topic
         self._backlog = backlog
-        self._buffer = buffer
         self._settings = settings
         self.replay = (
             None if router is None else ReplayService.from_settings(router, buffer, topic, settings)
         )
         self.snapshot = snapshot
         self._record = None if snapshot is None else snapshot.record
-        self._publisher_id = publisher_id
         self.limited = RateLimited()
         self.totals = Totals()
         self.loss_told = {
@@ -292,20 +200,8 @@ class Sender:
         """What a loss's log line says subscribers learn (``loss_marker``; the facade's
         drop warning says it too)."""
         self._level = Level.ONE_TO_ONE
-        self._escalated = False  # this pressure episode is fold-only
         self._payoff = Payoff()  # whether the rules level's rules pay (object path)
         self._payoff_big = Payoff()  # the same, on single batches larger than a window
-        # The rules on the encoded window (C, mostly without the GIL), unless the
-        # accelerator is not built or BlockMoved events are wanted (object rules only).
-        self._payload_rules = (
-            settings.compaction
-            and settings.payload_rules
-            and not settings.move_events
-            and accelerated()
-            and link is None
-        )
-        self._worker: PayloadWorker | None = None  # started at the first big payload
-        self._pending: _Pending | None = None
         self._gil = GilSlice(backlog.max_events)
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
@@ -375,14 +271,10 @@ class Sender:
             self._die(exc)
         finally:
             self.alive = False
-            if self._worker is not None:
-                self._worker.stop()
             if self.replay is not None:
                 self.replay.close()
             if self.snapshot is not None:
                 self.snapshot.close()
-            if self._link is not None:  # it sends what it has, then exits
-                self._link.stop(self._settings.shutdown_timeout)
             # What was sent must still reach subscribers: a linger, not 0 (which would
             # discard queued messages: a loss with no gap).  close() does not wait for
             # it; ZeroMQ's I/O thread delivers in the background.
@@ -399,7 +291,6 @@ class Sender:
             if gate is not None:  # held by a test (hold()); one read otherwise
                 self._parked.set()
                 gate.wait()
-            # (a fallback from a coalescer process may start these)
             replay, snapshot = self.replay, self.snapshot
             did = False
             if replay is not None or snapshot is not None:
@@ -431,14 +322,8 @@ class Sender:
             if did:
                 self._maybe_yield()
                 continue
-            if self._pending is not None:  # nothing else to do: finish the helper's window
-                self._finish_pending()
-                continue
-            if self._link is not None and not self._link.alive():
-                self._fall_back()
-                continue
             if (
-                self._stream.beats  # (snapshots on, and no coalescer process beating)
+                self._stream.beats  # (snapshots on)
                 and not self.closed
                 and time.monotonic() - self._stream.last_sent >= HEARTBEAT
             ):
@@ -450,7 +335,6 @@ class Sender:
                 continue
             self._bell.acquire(timeout=IDLE_POLL)
             self.idle = False
-        self._finish_pending()
         self._show_loss()
 
     def _replay_budget(self) -> int:
@@ -469,18 +353,12 @@ class Sender:
         default) the rules run only while they are not timed clearly dearer
         than folding alone on this stream (:mod:`coalesce._payoff`); otherwise
         the window, 4x larger, is only folded, as at the fold-only level (a
-        window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).  A single batch larger
-        than a window is compacted in parts of a window each under the same
-        test, or encoded as it is (one encode: the longest GIL hold; past
-        ``WHOLE_FROM`` of the budget, with the next batch folded in:
-        :func:`sends_whole`).  With
-        ``payload_rules`` (and the C accelerator, and no ``move_events``) or
-        a coalescer process, the rules run on the encoded window, mostly
-        without the GIL, so the GIL is held for folding and encoding only;
-        there a pass that loses ground (more events pending after it than
-        before), or more than ``fold_only_events`` pending, moves to the
-        fold-only level, 4x larger windows, until the backlog is back under
-        the watermark.  Flushing (``shutdown()``) is at the fold-only level.
+        window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).
+        A single batch larger than a window is compacted in parts of a window
+        each under the same test, or encoded as it is (one encode: the longest
+        GIL hold; past ``WHOLE_FROM`` of the budget, with the next batch
+        folded in: :func:`sends_whole`).  Flushing (``shutdown()``) is at the
+        fold-only level.
         Past ``high_watermark`` batches in the hand-off deque, the sender
         first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
@@ -491,28 +369,20 @@ class Sender:
         self._stage_if_behind()
         waiting, events_before = backlog.waiting, backlog.pending_events
         level = Level.ONE_TO_ONE
-        on_bytes = self._payload_rules or self._link is not None
         if settings.compaction and (flushing or waiting > settings.high_watermark):
-            escalate = flushing or (
-                on_bytes and (self._escalated or events_before > settings.fold_only_events)
-            )
-            level = Level.FOLD_ONLY if escalate else Level.RULES
-        else:
-            self._escalated = False
+            level = Level.FOLD_ONLY if flushing else Level.RULES
         if level != self._level:
             if level > self._level and not flushing:
                 self.limited.log(
                     logging.INFO,
                     f"level{int(level)}",
-                    "kv-coalesce: sender behind (%d batches, %d events waiting): %s",
+                    "kv-coalesce: sender behind (%d batches, %d events waiting): compacting",
                     waiting,
                     events_before,
-                    "compacting" if level == Level.RULES else "escalating to fold-only",
                 )
             self._level = level
         taken_events = backlog.events_out
         if level == Level.ONE_TO_ONE:
-            self._finish_pending()  # sent and recorded before anything taken after it
             item = backlog.take_one()
             if is_loss(item):
                 self._lost(item)
@@ -523,10 +393,10 @@ class Sender:
             self._record_sent([item[0]], near)
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
-        rules = level == Level.RULES and (on_bytes or self._payoff.rules_next())
+        rules = level == Level.RULES and self._payoff.rules_next()
         if level == Level.RULES and not rules:
             step *= 4  # the fold-only way: the fold-only level's windows
-        elif rules and not on_bytes:
+        elif rules:
             step = self._rules_window(step)
         window = backlog.take(step)
         if is_loss(window):
@@ -534,17 +404,10 @@ class Sender:
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
-        if on_bytes:  # records and finishes it itself
-            self._send_payload_window(window, self._in_flight[1], level == Level.FOLD_ONLY)
-        else:
-            near = self._keeps_gil()  # once taken, as a whole send decides
-            self._record_sent(self._send_object_window(window, level, step, rules), near)
-            self.done += len(window)
+        near = self._keeps_gil()  # once taken, as a whole send decides
+        self._record_sent(self._send_object_window(window, level, step, rules), near)
+        self.done += len(window)
         self._in_flight = (0, 0)
-        if level == Level.RULES and on_bytes and backlog.pending_events >= events_before:
-            # The rules on the bytes lost ground: fold only.  (On the objects, the
-            # rules level measures whether the rules pay, window by window.)
-            self._escalated = True
 
     def _rules_window(self, step: int) -> int:
         """:func:`rules_window` for this moment: the rest of this slice, the rules'
@@ -556,78 +419,6 @@ class Sender:
         """Under pressure, free the batch budget (O(1) per batch staged)."""
         if self._backlog.pending > self._settings.high_watermark:
             self._backlog.stage()
-
-    def _send_payload_window(self, window: list[Any], events_in: int, fold_level: bool) -> None:
-        """Fold the window, encode it once, and run the rules on the encoded bytes.
-
-        The GIL is held for the fold and the encode, what fold-only costs.
-        The rules run in C on the payload (the same bytes the object rules
-        would send): a big one in the helper thread without the GIL, while
-        this thread goes on with the next window; a payload they decline goes
-        out as it was folded.  The window's batches reach the recorder when
-        its message is sent (the same final state as the compacted events).
-        """
-        batches, folded = window, 0
-        if len(window) > 1:
-            try:
-                batches, rep = compact(window, fold_only=True)
-            except Exception as exc:  # a value the fold cannot handle: send as given
-                self._compaction_failed(exc)
-                self._send_as_given(window)
-                return
-            folded = rep.folded
-        try:
-            payloads = [self._encoder.encode(b) for b in batches]
-        except Exception:  # the originals one by one: the bad one is lost, visibly
-            self._send_as_given(window)
-            return
-        self.totals.batches_folded += folded
-        self.totals.compaction_passes += 1
-        self.totals.fold_only_passes += fold_level
-        if self._link is not None:  # the coalescer process runs the rules
-            for b, payload in zip(batches, payloads, strict=True):
-                self._emit_now(payload, _n_events(b), COMPACT)
-            self._finished(batches, len(window))
-            return
-        self._finish_pending()  # the previous window goes out first
-        if len(payloads) == 1 and len(payloads[0]) >= PAYLOAD_RELEASE_AT:
-            worker = self._worker
-            if worker is None:
-                worker = self._worker = PayloadWorker()
-            if not worker.busy:
-                worker.submit(payloads[0])
-                self._pending = _Pending(
-                    payloads[0], _n_events(batches[0]), batches, len(window), events_in
-                )
-                return
-        for b, payload in zip(batches, payloads, strict=True):
-            self._send_compacted(payload, _n_events(b), compact_payload(payload))
-        self._finished(batches, len(window))
-
-    def _send_compacted(
-        self, payload: bytes, n: int, result: tuple[bytes, int, int, int, int] | None
-    ) -> None:
-        """Send a payload as the payload rules left it (or as it was, if they declined)."""
-        t = self.totals
-        if result is not None:
-            payload, n, superseded, cancelled, merged = result
-            t.add_payload(superseded, cancelled, merged)
-            t.payload_passes += 1
-            if n == 0:
-                return  # everything cancelled: nothing to send (as compact())
-        self._emit_now(payload, n)
-
-    def _send_as_given(self, window: list[Any]) -> None:
-        """After the helper's window, send a window batch by batch as it was given
-        (each encodes, or is lost visibly), and finish with it."""
-        self._finish_pending()  # first, even if nothing of this window encodes
-        self._send_each(window)
-        self._finished(window, len(window))
-
-    def _finished(self, batches: list[Any], window: int) -> None:
-        """A window's message is out: the recorder sees its batches; it is done."""
-        self._record_sent(batches, self._keeps_gil())
-        self.done += window
 
     def _keeps_gil(self) -> bool:
         """Whether the recorder keeps the GIL for what is sent (or refused) now:
@@ -646,31 +437,11 @@ class Sender:
         for b in batches:
             record(b, keep_gil)
 
-    def _finish_pending(self) -> None:
-        """Send the window the helper has been compacting (waiting for it if need be).
-        Called before anything else is sent, lost or recorded, so order is kept."""
-        pending = self._pending
-        if pending is None:
-            return
-        self._pending = None
-        worker = self._worker
-        assert worker is not None
-        deadline = time.monotonic() + WORKER_TIMEOUT
-        result = None
-        while not worker.wait(0.001):
-            self._stage_if_behind()  # meanwhile, keep the batch budget free (as _step does)
-            if time.monotonic() > deadline:
-                break  # abandoned: it stays busy, later windows are compacted inline
-        else:
-            result = worker.take()
-        self._send_compacted(pending.payload, pending.n_events, result)
-        self._finished(pending.batches, pending.window)
-
     def _send_object_window(
         self, window: list[Any], level: Level, step: int, rules: bool
     ) -> list[Any]:
-        """The rules on the event objects (C or Python), then encode: the path when
-        the payload path is off.  Returns the batches the recorder must see.
+        """The rules on the event objects (C or Python), then encode.  Returns the
+        batches the recorder must see.
 
         At the rules level the rules run only while they are not clearly dearer
         than folding alone, as timed on this stream's recent windows
@@ -807,12 +578,7 @@ class Sender:
     def _lost(self, marker: Any) -> None:
         """A loss marker of the backlog: the stream shows the loss; the recorder
         still gets what was refused."""
-        self._finish_pending()  # the loss comes after the window before it
         self._stream.lose()
-        link = self._link
-        if link is not None and self._publisher_id is not None:  # its recorder sees them
-            self._record_remotely(link, marker)
-            return
         snapshot = self.snapshot
         if snapshot is not None:
             keep_gil = self._keeps_gil()  # as _record_sent: a loss is at the budget
@@ -920,140 +686,24 @@ class Sender:
         self._emit(payload, n_events)
 
     def _emit(self, payload: bytes, n_events: int) -> None:
-        """Send one message after the helper's window, if one is waiting."""
-        self._finish_pending()
-        self._emit_now(payload, n_events)
-
-    def _emit_now(self, payload: bytes, n_events: int, kind: int = AS_IS) -> None:
-        """Send one message: here, or through the coalescer process (``kind`` says
-        whether it runs the rules on it)."""
-        link = self._link
-        if link is not None and self._push(link, kind, n_events, payload):
-            return
-        self._stream.emit(payload, n_events)  # holding the GIL where it can (_wire)
-
-    # -- the coalescer process ---------------------------------------------------
-
-    def _push(self, link: CoalescerProcess, kind: int, n_events: int, payload: bytes) -> bool:
-        """Hand a message to the coalescer process (after the loss, if one is
-        pending: the process shows it).  While its pipe is full, wait (GIL
-        released) in 1 ms slices, keeping the batch budget free; False if the
-        process has gone or stays stuck for PIPE_TIMEOUT seconds: then this
-        thread sends from now on (after a loss)."""
-        if self._stream.loss_pending:
-            if not self._push_one(link, GAP, 0, None):
-                return False
-            self._stream.hand_on_loss()
-        return self._push_one(link, kind, n_events, payload)
-
-    def _push_one(
-        self, link: CoalescerProcess, kind: int, n_events: int, payload: bytes | None
-    ) -> bool:
-        deadline = wait = 0.0
-        while not link.push(kind, n_events, payload):
-            now = time.monotonic()
-            if not deadline:  # shutting down: no longer than the flush may take
-                wait = PIPE_TIMEOUT
-                if self.closed:
-                    wait = min(wait, self._settings.shutdown_timeout)
-                deadline = now + wait
-            if not link.alive():
-                self._fall_back()
-                return False
-            if now > deadline:
-                self._fall_back(f"took nothing from its pipe for {wait:g} s: killed")
-                return False
-            self._stage_if_behind()
-            link.wait_writable(0.001)
-        return True
-
-    def _record_remotely(self, link: CoalescerProcess, marker: Any) -> None:
-        """Hand the coalescer process's recorder the batches refused over budget
-        (encoded: the engine pays their encoding, as it would have paid for sending
-        them), or tell it it cannot be exact."""
-        why = ""
-        for b in marker.refused or ():
-            try:
-                payload = self._encoder.encode(b)
-            except Exception as exc:
-                why = f"a refused batch could not be encoded ({type(exc).__name__})"
-                break
-            if not self._push_one(link, RECORD, _n_events(b), payload):
-                return  # fell back: that recorder is gone anyway
-        if marker.overflow:
-            why = "more batches refused than the record bound keeps"
-        if why:
-            self._invalidate_remotely(link, why)
-
-    def _invalidate_remotely(self, link: CoalescerProcess, why: str) -> None:
-        self._push_one(link, INVALIDATE, 0, why.encode())
-
-    def _fall_back(self, why: str = "") -> None:
-        """The coalescer process has failed: bind its endpoints here and send on
-        after its last seq, with a loss (what was in its pipe, or being compacted,
-        is lost; so is its replay buffer)."""
-        link = self._link
-        assert link is not None
-        last = link.dead()
-        self._stream.carry_on(last)
-        log.error(
-            "kv-coalesce: the coalescer process (pid %d) %s; the sender thread publishes "
-            "on %s itself from now on, after a loss: %s",
-            link.pid,
-            why or f"exited with code {link.returncode}",
-            link.endpoint,
-            self.loss_told,
-        )
-        self._link = None
-        socks = open_sockets(
-            link.endpoint,
-            link.replay_endpoint,
-            link.snapshot_endpoint,
-            hwm=link.hwm,
-            replay_window=self._settings.replay_window,
-        )
-        self._use_pub(socks.pub)
-        self._router = socks.router
-        if socks.snapshot is not None:  # a new recorder, unavailable until a clear
-            assert self._publisher_id is not None
-            self.snapshot = SnapshotService.from_settings(
-                socks.snapshot, self._publisher_id, self._rank, self._settings
-            )
-            self.snapshot.invalidate("the coalescer process and its recorder are gone")
-            self._record = self.snapshot.record
-            self._stream.beats = True
-        if socks.router is not None:
-            self.replay = ReplayService.from_settings(
-                socks.router, self._buffer, self._topic, self._settings
-            )
+        """Send one message (holding the GIL where it can: _wire)."""
+        self._stream.emit(payload, n_events)
 
     def published(self) -> dict[str, Any]:
-        """The counters that are ``PublisherStats`` fields (the coalescer process's for
-        what it does, while there is one).  O(1)."""
+        """The counters that are ``PublisherStats`` fields.  O(1)."""
         out = self.totals.published()
         out.update(self._stream.published())
         out["native_send"] = self._native_send
         replay, snapshot = self.replay, self.snapshot
         out.update(replay.published() if replay is not None else ReplayService.NOTHING)
         out.update(snapshot.published() if snapshot is not None else SnapshotService.NOTHING)
-        link = self._link
-        if link is not None:
-            out.update(link.published())
         return out
-
-    def drained(self) -> bool:
-        """Everything handed to a coalescer process has been taken by it."""
-        link = self._link
-        return link is None or link.drained()
 
     # -- losses ------------------------------------------------------------------
 
     def _encode_failed(self, exc: BaseException) -> None:
         self.totals.encode_failures += 1
         self._stream.lose()
-        link = self._link
-        if link is not None and self._publisher_id is not None:  # its recorder misses it
-            self._invalidate_remotely(link, f"a batch could not be encoded ({type(exc).__name__})")
         self.limited.warning(
             "encode",
             "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); %s",
@@ -1064,14 +714,8 @@ class Sender:
 
     def _show_loss(self) -> None:
         """Show a pending loss now, with no message to follow it (else it would stay
-        invisible): here, or through the coalescer process, which shows it before an
-        empty batch."""
-        if not self._stream.loss_pending:
-            return
-        if self._link is not None:
-            self._emit(self._encoder.encode_now([], self._rank), 0)
-        else:
-            self._stream.show_loss()
+        invisible)."""
+        self._stream.show_loss()
 
     def _compaction_failed(self, exc: BaseException) -> None:
         self.totals.compaction_failures += 1
@@ -1084,7 +728,6 @@ class Sender:
         )
 
     def _abandon(self, why: str) -> None:
-        self._finish_pending()
         batches, events = self._backlog.drain()
         self.totals.add_abandoned(batches, events)
         self.done += batches
@@ -1111,10 +754,6 @@ class Sender:
         # then it is counted twice, never zero times).
         batches, events = self._in_flight
         self._in_flight = (0, 0)
-        pending, self._pending = self._pending, None
-        if pending is not None:  # not sent: the helper's result is ignored
-            batches += pending.window
-            events += pending.events_in
         self.totals.add_abandoned(batches, events)
         self.done += batches
         try:

@@ -17,7 +17,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["PublisherConfig", "Settings", "is_bind_endpoint", "offset_endpoint", "parse_flag"]
+__all__ = [
+    "REMOVED",
+    "PublisherConfig",
+    "Settings",
+    "is_bind_endpoint",
+    "offset_endpoint",
+    "parse_flag",
+]
+
+REMOVED = {
+    "payload_rules": "the rules on encoded bytes drained slower than on the event objects",
+    "coalescer": "a coalescer process drained slower and cost the engine as much as the thread",
+    "fold_only_events": "it only applied to payload_rules and the coalescer process",
+}
+"""Knobs earlier versions had, and why each went (docs/decisions.md): given as a
+keyword or a ``COALESCE_*`` variable, each is ignored with a WARNING."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +84,6 @@ def _endpoint(raw: Any) -> str | None:
     return raw.strip() or None
 
 
-def _coalescer(raw: Any) -> str:
-    text = str(raw).strip().lower()
-    if text not in ("thread", "process"):
-        raise ValueError("expected thread or process")
-    return text
-
-
 def _loss_marker(raw: Any) -> str:
     text = str(raw).strip().lower()
     if text not in ("clear", "resync", "gap"):
@@ -97,16 +105,6 @@ class Settings:
     """Fold and compact under backpressure; off: always 1:1 (still never blocks)."""
     move_events: bool = _knob(False, parse_flag)
     """Emit the opt-in ``BlockMoved`` event (only for subscribers that know it)."""
-    payload_rules: bool = _knob(False, parse_flag)
-    """Under backpressure, run the rules on the encoded window, in C, in a helper thread
-    without the GIL (needs the C accelerator; not with ``move_events``); off: on the
-    event objects, with the GIL, and only while they are not timed clearly dearer than
-    folding alone on the stream being sent."""
-    coalescer: str = _knob("thread", _coalescer)
-    """Where the compaction rules, the PUB socket, the replay buffer and the snapshot
-    recorder live: ``thread``, the sender thread in the engine's process; ``process``,
-    a coalescer process of their own (the engine's process only encodes; tcp and ipc
-    endpoints, not with ``move_events``)."""
     max_pending_events: int = _knob(4_000_000, _positive_int)
     """Memory budget: events published but not yet sent, beyond which publish() drops.
     At the default, a backlog near it held about half the memory vLLM's own queue
@@ -115,11 +113,6 @@ class Settings:
     """Events one compaction step takes (bounds each GIL hold of the sender); a rules
     window takes up to 4x as many while the rest of the sender's GIL slice holds them
     at the rules' measured cost."""
-    fold_only_events: int = _knob(2048, _positive_int)
-    """With ``payload_rules`` or a coalescer process: pending events beyond which the
-    sender only folds, in 4x larger windows (it also does once a pass of the rules has
-    lost ground).  On the event objects (the default) the sender times the rules
-    against folding instead, window by window."""
     loss_marker: str = _knob("clear", _loss_marker)
     """How a loss (a batch refused past the budget, or one that cannot be encoded) is
     told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
@@ -180,6 +173,16 @@ class Settings:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"invalid {where}={raw!r}: {exc}") from None
         return cls(**values)
+
+    @classmethod
+    def removed_in_use(
+        cls, keywords: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """The :data:`REMOVED` knobs given as keywords or variables, each named as given."""
+        env = os.environ if env is None else env
+        return [k for k in REMOVED if k in keywords] + [
+            env_name(k) for k in REMOVED if env_name(k) in env
+        ]
 
     @classmethod
     def names(cls) -> frozenset[str]:

@@ -1,9 +1,8 @@
 """The stream: the one place a seq is assigned and a message goes on the wire.
 
 Every message, whether a batch's payload, a loss's marker or a heartbeat, is
-sent here, kept for replay here and counted here, once; the sender thread and
-the coalescer process each own one :class:`Stream` and send through nothing
-else.
+sent here, kept for replay here and counted here, once; the sender thread owns
+one :class:`Stream` and sends through nothing else.
 
 A loss (a batch refused, abandoned or unencodable) is noted with
 :meth:`Stream.lose` and shown before the next message, in one of two forms
@@ -118,22 +117,10 @@ class Stream:
         """Send with ``send`` from now on (a socket of this process's own)."""
         self._send = send
 
-    def carry_on(self, counters: dict[str, int]) -> None:
-        """Go on after another stream of the same publisher (a coalescer process that
-        has gone): its seq and counters, and a loss, since what it held is lost."""
-        self.next_seq = counters["next_seq"]
-        for name in self.published():
-            setattr(self, name, counters[name])
-        self._lost = True
-
     @property
     def loss_pending(self) -> bool:
         """A loss noted and not yet shown on the wire."""
         return self._lost
-
-    def hand_on_loss(self) -> None:
-        """A pending loss is now another stream's to show (the coalescer process's)."""
-        self._lost = False
 
     def lose(self) -> None:
         """Note a loss: it is shown before the next message (or by :meth:`show_loss`)."""

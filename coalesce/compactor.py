@@ -41,10 +41,6 @@ Cost: every pass is linear in the events and block hashes of the window
 (dict and set operations only); :func:`compact` allocates the output lists
 and rebuilt events, nothing proportional to anything but the window.
 
-:func:`compact_payload` applies rules 2, 3, 5a, 5 and 6 to a window already folded
-and encoded, reading and writing bytes in C (the optional accelerator), so
-that the sender can compact without holding the GIL; its result is, byte for
-byte, msgspec's encoding of what :func:`compact` returns for the same window.
 :func:`compact_for_wire` is :func:`compact` for a caller that only encodes the
 result: with the accelerator, merged per-block lists come back as their
 encoding (``msgspec.Raw``), never built as lists.
@@ -83,7 +79,6 @@ __all__ = [
     "accelerated",
     "compact",
     "compact_for_wire",
-    "compact_payload",
     "compactable",
     "rule_stats",
 ]
@@ -619,34 +614,6 @@ def _compact_events(events: list[Any], move_events: bool, counts: Counter[str]) 
 def accelerated() -> bool:
     """True when :func:`compact` runs its rules in C (the optional accelerator).  O(1)."""
     return _accel is not None
-
-
-PAYLOAD_RELEASE_AT = 32 * 1024
-"""Payload size (bytes) from which :func:`compact_payload` releases the GIL.  Below
-it, a release (two GIL hand-offs) costs more than the work it lets the engine do."""
-
-
-def compact_payload(
-    payload: bytes, release_at: int = PAYLOAD_RELEASE_AT
-) -> tuple[bytes, int, int, int, int] | None:
-    """Rules 2, 3, 5a, 5 and 6 on one encoded batch: ``(payload, events, superseded,
-    cancelled, merged)``, or None (the accelerator is not built, or declines).
-
-    ``payload`` is a batch as the sender encodes it (``[ts, events, rank]``,
-    with or without a ``publisher_id``).  The result encodes, byte for byte,
-    what :func:`compact` returns for the decoded batch, and is ``payload``
-    itself when no rule changed anything.  The work reads and writes bytes
-    only, so from ``release_at`` bytes on it runs without the GIL: the sender
-    can shrink a folded window while the engine runs.  Declined: payloads it
-    cannot read, event tags other than the three KV events, values the rules
-    would not take (hashes that are not ints in [0, 2**64) or bytes, too many
-    mediums or groups), and a call while another thread's is under way.
-
-    Cost: O(payload bytes) time and memory, in C.
-    """
-    if _accel is None:
-        return None
-    return _accel.compact_payload(payload, release_at)  # type: ignore[no-any-return]
 
 
 _offered: set[type] = set()

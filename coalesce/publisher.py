@@ -32,12 +32,17 @@ from typing import Any
 import msgspec
 
 from coalesce._backlog import Backlog
-from coalesce._coalescer import CoalescerProcess
 from coalesce._replay import ReplayBuffer
 from coalesce._sender import Sender
-from coalesce._settings import PublisherConfig, Settings, is_bind_endpoint, offset_endpoint
+from coalesce._settings import (
+    REMOVED,
+    PublisherConfig,
+    Settings,
+    is_bind_endpoint,
+    offset_endpoint,
+)
 from coalesce._snapshot import SnapshotService
-from coalesce._wire import Sockets, native_send, open_sockets
+from coalesce._wire import native_send, open_sockets
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -107,37 +112,6 @@ def _log_start(
         )
 
 
-def _process_supported(
-    endpoints: tuple[str | None, ...], settings: Settings, *, other_bind: bool = False
-) -> bool:
-    """Whether ``coalescer="process"`` can serve these endpoints; says why not if not."""
-    why = None
-    if other_bind:
-        why = "it applies vLLM's bind rule to the endpoint, and bind says otherwise"
-    elif any(ep is not None and ep.startswith("inproc://") for ep in endpoints):
-        why = "inproc endpoints live in one process"
-    elif settings.move_events:
-        why = "BlockMoved events come from the rules on the event objects"
-    elif settings.loss_marker == "resync":
-        why = "an in-band resync is sent by the sender thread"
-    if why is None:
-        return True
-    log.warning("kv-coalesce: coalescer=process is not available (%s): using a thread", why)
-    return False
-
-
-def _start_coalescer(**kw: Any) -> CoalescerProcess | None:
-    """Start a coalescer process; None (publish from a thread) if it cannot start.
-
-    An endpoint it cannot bind raises, as the publisher's own binding would.
-    """
-    try:
-        return CoalescerProcess(**kw)
-    except RuntimeError as exc:  # it could not run at all: the engine must not notice
-        log.error("kv-coalesce: %s: publishing from a thread instead", exc)
-        return None
-
-
 def _collected(sender: Sender) -> None:
     """The finaliser of a publisher dropped without ``shutdown()``: stop its thread."""
     if sender.alive and not sender.closed:
@@ -204,7 +178,10 @@ class CoalescingPublisher:
         knobs = Settings.names()
         # keywords that are not knobs come from a newer vLLM: accepted and ignored
         self.settings = Settings.resolve(**{k: v for k, v in keywords.items() if k in knobs})
-        ignored = sorted(set(keywords) - knobs)
+        for name in Settings.removed_in_use(keywords):
+            knob = name.removeprefix("COALESCE_").lower()
+            log.warning("kv-coalesce: %s is no longer a knob, ignored: %s", name, REMOVED[knob])
+        ignored = sorted(set(keywords) - knobs - set(REMOVED))
         if ignored:
             log.info("kv-coalesce: ignoring keywords this version does not know: %s", ignored)
         self._rank = data_parallel_rank
@@ -215,44 +192,22 @@ class CoalescingPublisher:
         if not pub_ep:
             raise ValueError(f"endpoint must be a ZeroMQ endpoint, got {endpoint!r}")
 
-        vllm_binds = is_bind_endpoint(pub_ep)
-        binds = vllm_binds if bind is None else bind
+        binds = is_bind_endpoint(pub_ep) if bind is None else bind
         self._binds = binds
-        link: CoalescerProcess | None = None
-        socks: Sockets | None = None
         # 16 bytes that change only when the publisher restarts (PR #57789)
         self.publisher_id: bytes | None = None if snap_ep is None else uuid.uuid4().bytes
         st = self.settings
-        if st.coalescer == "process" and _process_supported(
-            (pub_ep, replay_ep, snap_ep), st, other_bind=binds != vllm_binds
-        ):
-            link = _start_coalescer(
-                endpoint=pub_ep,
-                replay_endpoint=replay_ep,
-                snapshot_endpoint=snap_ep,
-                topic=topic_b,
-                hwm=hwm,
-                buffer_steps=buffer_steps,
-                rank=data_parallel_rank,
-                publisher_id=self.publisher_id,
-                settings=st,
-            )
-        if link is not None:
-            pub_ep, replay_ep = link.endpoint, link.replay_endpoint
-            snap_ep = link.snapshot_endpoint
-        else:
-            socks = open_sockets(
-                pub_ep,
-                replay_ep,
-                snap_ep,
-                hwm=hwm,
-                replay_window=self.settings.replay_window,
-                bind=binds,
-            )
-            pub_ep, replay_ep = socks.endpoint, socks.replay_endpoint
-            snap_ep = socks.snapshot_endpoint
-
-        snap_sock = None if socks is None else socks.snapshot
+        socks = open_sockets(
+            pub_ep,
+            replay_ep,
+            snap_ep,
+            hwm=hwm,
+            replay_window=st.replay_window,
+            bind=binds,
+        )
+        pub_ep, replay_ep = socks.endpoint, socks.replay_endpoint
+        snap_ep = socks.snapshot_endpoint
+        snap_sock = socks.snapshot
         self.snapshot_endpoint = snap_ep
         _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id)
         self.config = PublisherConfig(
@@ -268,7 +223,7 @@ class CoalescingPublisher:
         # with a recorder (snapshots, or resyncs), batches refused over budget still
         # reach it, up to twice the event budget per loss (then it is unavailable
         # until a clear)
-        resyncs = link is None and st.loss_marker == "resync"
+        resyncs = st.loss_marker == "resync"
         records = snap_ep is not None or resyncs
         self._backlog = Backlog(
             batch_budget,
@@ -283,8 +238,8 @@ class CoalescingPublisher:
             )
         self._batch_types: set[type] = set()
         self._sender = Sender(
-            pub=None if socks is None else socks.pub,
-            router=None if socks is None else socks.router,
+            pub=socks.pub,
+            router=socks.router,
             topic=topic_b,
             rank=data_parallel_rank,
             backlog=self._backlog,
@@ -292,7 +247,6 @@ class CoalescingPublisher:
             settings=self.settings,
             snapshot=snapshot,
             publisher_id=self.publisher_id,
-            link=link,
         )
         self._closed = False
         self._sender_gone = False  # shutdown() has stopped the sender (under the lock)
@@ -424,7 +378,7 @@ class CoalescingPublisher:
         target = self._backlog.batches_in
         deadline = time.monotonic() + timeout
         sender = self._sender
-        while sender.done < target or not sender.drained():
+        while sender.done < target:
             if time.monotonic() >= deadline or not sender.thread.is_alive():
                 return False
             time.sleep(0.001)
@@ -445,7 +399,6 @@ class CoalescingPublisher:
             self._closed = True
         self._finalizer.detach()
         sender.request_stop()
-        # its flush, then (coalescer="process") that process's own flush and exit
         sender.thread.join(2 * self.settings.shutdown_timeout + 2.0)
         if sender.thread.is_alive():  # pragma: no cover - the sender checks its deadline
             log.error("kv-coalesce: sender thread did not stop; sockets left to it")

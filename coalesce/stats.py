@@ -64,12 +64,8 @@ class PublisherStats:
         "Compaction steps whose result was sent (every rule, or fold only)."
     )
     fold_only_passes: int = _counter(
-        "Of those, steps at the fold-only level (4x larger windows: the backlog outran "
-        "the rules); on the payload path the rules still run there, on the bytes."
-    )
-    payload_passes: int = _counter(
-        "Of those, steps whose rules ran on the encoded window (the C payload path, "
-        "without the GIL for big windows) instead of on the event objects."
+        "Of those, steps at the fold-only level (4x larger windows, while flushing "
+        "at shutdown)."
     )
     rules_skipped: int = _counter(
         "Windows at the rules level only folded: on this stream the rules were timed "
@@ -92,7 +88,7 @@ class PublisherStats:
     )
     native_send: bool = _gauge(
         "1 when this publisher's messages go out through the optional C send that keeps "
-        "the GIL (with coalescer=\"process\", the process's); 0 when through pyzmq's "
+        "the GIL; 0 when through pyzmq's "
         "sends, which hand the GIL to the engine at every frame."
     )
     replay_requests: int = _counter("Well-formed replay requests accepted.")

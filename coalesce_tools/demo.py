@@ -63,9 +63,8 @@ __all__ = [
 PUBLISHERS = ("stock", "drop", "coalesce", "coalesce+snap")
 """``coalesce+snap`` is coalesce with opt-in snapshots (``snapshot_endpoint``): its
 subscriber heals a gap with a snapshot instead of resetting the rank."""
-KINDS = (*PUBLISHERS, "coalesce+proc")
-"""What ``--only`` may also pick: ``coalesce+proc`` is coalesce with ``coalescer="process"``
-(the rules, the PUB socket and replay in a process of their own)."""
+KINDS = PUBLISHERS
+"""What ``--only`` may pick."""
 QUEUE = 50
 """The demo's ``max_queue_size`` for every publisher (vLLM's default is 100,000).  Small,
 so that one 200-step burst overflows vLLM's queue whenever a burst step offers more than
@@ -311,7 +310,6 @@ def _make_publisher(
             replay_endpoint=replay,
             max_queue_size=queue,
             snapshot_endpoint=snap,
-            coalescer="process" if kind == "coalesce+proc" else None,
         )
     from coalesce_tools.baselines import stock_publisher
 
@@ -351,15 +349,12 @@ def spin_until(t: float) -> None:
         pass
 
 
-def _rss_mb(pub: Any = None) -> float:
-    """This process's resident MB, and its coalescer process's if it has one."""
-    link = getattr(getattr(pub, "_sender", None), "_link", None)
+def _rss_mb() -> float:
+    """This process's resident MB."""
     try:
-        total = 0
-        for pid in ("self", *([str(link.pid)] if link is not None else [])):
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1])
-        return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:  # not Linux: the peak is all we have
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -443,7 +438,7 @@ def _engine_main(
         if step % _SAMPLE_EVERY == _SAMPLE_EVERY - 1:
             progress.value = step + 1
             timeline.append((time.perf_counter() - start, _backlog(pub), worst / 1e3))
-            peak_mb = max(peak_mb, _rss_mb(pub))
+            peak_mb = max(peak_mb, _rss_mb())
             worst = 0
     if barrier is not None:
         barrier.wait(_BARRIER_S)  # the last step ends when every rank's does
@@ -457,7 +452,7 @@ def _engine_main(
         deadline = time.monotonic() + 60
         while pub._event_queue.qsize() and time.monotonic() < deadline:
             time.sleep(0.001)
-    peak_mb = max(peak_mb, _rss_mb(pub))
+    peak_mb = max(peak_mb, _rss_mb())
     enc = msgspec.msgpack.Encoder()
     kept = [evs for evs, ok in zip(published, accepted, strict=True) if ok]
     lat.sort()

@@ -104,16 +104,14 @@ def marker(i: int) -> BlockStored:
 )
 @given(
     st.lists(st.lists(events, max_size=6), min_size=1, max_size=12),
-    st.booleans(),
     st.sampled_from(("clear", "gap")),
 )
-def test_whatever_is_published_goes_out_or_is_lost_visibly(batches, payload_rules, loss_marker):
+def test_whatever_is_published_goes_out_or_is_lost_visibly(batches, loss_marker):
     ep = inproc("pub")
     with Subscriber(ep, mode="refcount") as sub:  # connected before the bind
         pub = CoalescingPublisher(
             endpoint=ep,
             high_watermark=1,
-            payload_rules=payload_rules,
             loss_marker=loss_marker,
         )
         try:

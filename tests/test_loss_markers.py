@@ -239,19 +239,3 @@ def test_no_resync_when_the_state_is_large_against_the_budget(make_sub):
     finally:
         pub.shutdown()
     assert st.loss_markers == 1 and st.resyncs == 0 and st.resync_events == 0
-
-
-def test_a_resync_asks_for_the_sender_thread(caplog):
-    """The coalescer process does not resync: asked for both, the publisher says so
-    and runs the thread."""
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="coalesce"):
-        pub = CoalescingPublisher(
-            endpoint=f"tcp://*:{free_port()}", coalescer="process", loss_marker="resync"
-        )
-    try:
-        assert pub._sender._link is None and pub._sender.snapshot is not None
-        assert "resync" in caplog.text
-    finally:
-        pub.shutdown()

@@ -128,7 +128,7 @@ def run_held(
     monkeypatch.setattr(sender, "Payoff", _Forced)
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2, fold_only_events=10**6, **kw)
+    p = pubs(endpoint=ep, high_watermark=2, **kw)
     with held(p):
         for b in batches:
             assert p.publish(b) is PublishOutcome.QUEUED

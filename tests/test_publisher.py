@@ -19,7 +19,6 @@ from coalesce import (
     EventBatch,
     KVEventBatch,
     PublishOutcome,
-    compactor,
 )
 from tests.conftest import assert_every_model_agrees, decode, free_port, held, inproc, wait_for
 
@@ -221,20 +220,16 @@ def sent_while_held(p: CoalescingPublisher, sub: Any, batches: list[Any]) -> tup
     return st, sub.recv_until_seq(st.messages_sent - 1)
 
 
-@pytest.mark.parametrize("payload_rules", [False, True])
-def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(
-    pubs, make_sub, payload_rules
-):
+def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=2, payload_rules=payload_rules)
+    p = pubs(endpoint=ep, high_watermark=2)
     batches = [offload_batch(i) for i in range(300)] + [batch(AllBlocksCleared())]
     batches += [offload_batch(i) for i in range(300, 400)]
     st, msgs = sent_while_held(p, sub, batches)
     assert [m[1] for m in msgs] == list(range(len(msgs)))
     assert st.messages_sent < len(batches) and st.batches_folded > 0
     assert st.compaction_passes > 0 and st.batches_dropped == 0 and st.seq_gaps == 0
-    assert (st.payload_passes > 0) == (payload_rules and compactor.accelerated())
     assert st.events_sent == sum(len(decode(m[2]).events) for m in msgs)
     received = [decode(m[2]) for m in msgs]
     assert_every_model_agrees(batches, received)
@@ -299,10 +294,7 @@ def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     assert steps[-1] == 2, "the batch after the loss comes after a gap"
 
 
-@pytest.mark.parametrize("payload_rules", [False, True])
-def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(
-    pubs, make_sub, payload_rules
-):
+def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(pubs, make_sub):
     """vLLM's queue of 8 would block this engine; coalesce's batch budget of 8 must not drop.
 
     Each step publishes a batch that takes the sender longer to send than the
@@ -310,7 +302,7 @@ def test_a_sender_that_is_behind_but_running_loses_nothing_to_the_batch_budget(
     """
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, max_queue_size=8, high_watermark=1, payload_rules=payload_rules)
+    p = pubs(endpoint=ep, max_queue_size=8, high_watermark=1)
     big = [store(i, i - 1 if i else None) for i in range(10_000)]
     for step in range(40):
         assert p.publish(batch(*big, ts=float(step))) is PublishOutcome.QUEUED
@@ -468,11 +460,10 @@ def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     assert st.encode_failures == 1 and st.seq_gaps == 1
 
 
-@pytest.mark.parametrize("payload_rules", [False, True])
-def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub, payload_rules):
+def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
-    p = pubs(endpoint=ep, high_watermark=1, payload_rules=payload_rules, loss_marker="gap")
+    p = pubs(endpoint=ep, high_watermark=1, loss_marker="gap")
     bad = BlockStored([2], None, [object()], 1, None, "GPU", None)  # type: ignore[list-item]
     with held(p):
         for b in (batch(store(1)), batch(bad), batch(store(3)), batch(store(4))):
@@ -536,6 +527,19 @@ def test_bad_endpoints_fail_at_construction():
             CoalescingPublisher(endpoint=f"tcp://*:{port}")
     finally:
         first.shutdown()
+
+
+def test_knobs_that_went_are_ignored_with_a_warning_that_says_why(monkeypatch, caplog):
+    monkeypatch.setenv("COALESCE_COALESCER", "process")
+    with caplog.at_level("WARNING", logger="coalesce"):
+        p = CoalescingPublisher(endpoint=inproc("pub"), payload_rules=True)
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any("payload_rules is no longer a knob" in m for m in warned)
+        assert any("COALESCE_COALESCER is no longer a knob" in m for m in warned)
+        assert "ignoring keywords" not in caplog.text  # said once, as a warning
+    finally:
+        p.shutdown()
 
 
 def test_settings_come_from_keywords_then_environment(monkeypatch, caplog):

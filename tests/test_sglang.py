@@ -33,7 +33,7 @@ from coalesce.sglang import (
     SGLangPublisher,
 )
 from tests.conftest import held, inproc, wait_for
-from tests.streams import sglang_batch_lists, sglang_event_lists
+from tests.streams import sglang_batch_lists
 
 ENC = msgspec.msgpack.Encoder()
 
@@ -97,19 +97,6 @@ def test_the_c_rules_give_the_python_result(batches: list[Any]) -> None:
         compactor._accel = accel
     assert out_c == out_py and rep_c == rep_py
     assert [type(e) for b in out_c for e in b.events] == [type(e) for b in out_py for e in b.events]
-
-
-@pytest.mark.skipif(not compactor.accelerated(), reason="the C accelerator is not built")
-@given(sglang_event_lists())
-def test_the_payload_rules_give_the_python_rules_bytes(events: list[Any]) -> None:
-    payload = ENC.encode(KVEventBatch(ts=1.5, events=events, attn_dp_rank=0))
-    result = compactor.compact_payload(payload, 1 << 30)
-    want = compactor._compact_events_py(list(events), False, Counter())
-    hashes = [h for e in events for h in getattr(e, "block_hashes", ())]
-    if all(h >= 0 for h in hashes):  # it declines negative ones (they are sent as they are)
-        assert result is not None, "a window of SGLang events was declined"
-    if result is not None:
-        assert result[0] == ENC.encode(KVEventBatch(ts=1.5, events=want, attn_dp_rank=0))
 
 
 @pytest.mark.skipif(not compactor.accelerated(), reason="the C accelerator is not built")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from typing import Any
-from unittest import mock
 
 import msgspec
 import pytest
@@ -19,11 +18,10 @@ from coalesce import (
     CoalescingPublisher,
     KVEventBatch,
     PublishOutcome,
-    _sender,
 )
 from coalesce.refmodel import SubscriberModel
 from coalesce.subscriber import Subscriber, decode_batch, publisher_id
-from tests.conftest import free_port, held, inproc, wait_for
+from tests.conftest import held, inproc, wait_for
 from tests.streams import batch_lists
 
 
@@ -52,15 +50,6 @@ def snap_pub():
     made: list[CoalescingPublisher] = []
 
     def make(ep: str | None = None, **kw: Any) -> tuple[CoalescingPublisher, str, str]:
-        if kw.get("coalescer") == "process":  # tcp: a coalescer process cannot serve inproc
-            assert ep is None
-            port, sport = free_port(), free_port()
-            p = CoalescingPublisher(
-                endpoint=f"tcp://*:{port}", snapshot_endpoint=f"tcp://*:{sport}", **kw
-            )
-            made.append(p)
-            assert p._sender._link is not None
-            return p, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{sport}"
         ep, snap = ep or inproc("pub"), inproc("snap")
         p = CoalescingPublisher(endpoint=ep, snapshot_endpoint=snap, **kw)
         made.append(p)
@@ -122,14 +111,9 @@ def test_payloads_carry_the_publisher_id_and_an_idle_publisher_beats(snap_pub, m
     assert msgspec.msgpack.decode(payload)[1] == []
 
 
-MODES = pytest.mark.parametrize("coalescer", ["thread", "process"])
-"""Where the recorder runs: the sender thread, or the coalescer process."""
-
-
-@MODES
 @pytest.mark.parametrize("req", [False, True], ids=["dealer", "req"])
-def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req, coalescer):
-    p, _, snap = snap_pub(coalescer=coalescer)
+def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
+    p, _, snap = snap_pub()
     batches = [offload(i) for i in range(60)] + [batch(BlockRemoved([3, 9], "CPU"))]
     for b in batches:
         p.publish(b)
@@ -186,9 +170,8 @@ def test_bad_requests_are_ignored_and_counted_and_two_clients_get_the_same_state
     )
 
 
-@MODES
-def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub, coalescer):
-    p, _, snap = snap_pub(max_queue_size=3, high_watermark=1, stall_timeout=0, coalescer=coalescer)
+def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub):
+    p, _, snap = snap_pub(max_queue_size=3, high_watermark=1, stall_timeout=0)
     batches = [offload(i) for i in range(40)]
     with held(p):
         outcomes = [p.publish(b) for b in batches[:30]]
@@ -203,9 +186,8 @@ def test_batches_refused_over_budget_still_reach_the_snapshot(snap_pub, coalesce
     assert model.state() == truth(batches), "the refused batches are in the state"
 
 
-@MODES
-def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub, coalescer):
-    p, _, snap = snap_pub(coalescer=coalescer)
+def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub):
+    p, _, snap = snap_pub()
     p.publish(batch(store([1], None)))
     p.publish(batch(store([2], 1, tokens=[object()])))  # lost at encode: a gap
     assert p.flush(10.0)
@@ -369,15 +351,12 @@ def test_a_large_snapshot_is_served_while_live_traffic_flows(snap_pub):
 def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
     """Losses at random points (refused over budget, lost at encode, dropped by the
     subscriber's full queue): the subscriber heals with snapshots and ends with the
-    refcount state of everything published.  The payload path runs off, inline, or
-    with every window in the helper thread (its size threshold lowered to 0)."""
+    refcount state of everything published."""
     ep, snap = inproc("pub"), inproc("snap")
     published: list[Any] = []
     hwm = 32  # each side's queue: messages past both are dropped (the publisher never knows)
     overflowed = lost_at_encode = False
-    path = data.draw(st.sampled_from(("objects", "inline", "helper")))
     with (
-        mock.patch.object(_sender, "PAYLOAD_RELEASE_AT", 0 if path == "helper" else 1 << 40),
         CoalescingPublisher(
             endpoint=ep,
             snapshot_endpoint=snap,
@@ -385,7 +364,6 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             high_watermark=1,
             stall_timeout=0,
             hwm=hwm,
-            payload_rules=path != "objects",
         ) as p,
         Subscriber(ep, mode="refcount", snapshot_endpoints=snap, rcvhwm=hwm) as sub,
     ):

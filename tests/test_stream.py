@@ -105,29 +105,6 @@ def test_a_send_that_raises_consumes_no_seq():
     assert [seq for seq, _ in sent] == [0, 1, 2] and stream.loss_markers == 1
 
 
-def test_a_loss_handed_on_is_not_shown_here():
-    stream, sent = make("clear")
-    stream.lose()
-    stream.hand_on_loss()  # the coalescer process shows it
-    stream.emit(b"a", 1)
-    assert sent == [(0, b"a")]
-
-
-def test_carrying_on_after_another_stream_starts_with_a_loss():
-    stream, sent = make("clear")
-    counters = {
-        "next_seq": 40,
-        "messages_sent": 39,
-        "events_sent": 100,
-        "bytes_sent": 999,
-        "seq_gaps": 0,
-        "loss_markers": 1,
-    }
-    stream.carry_on(counters)
-    stream.emit(b"a", 1)
-    assert [seq for seq, _ in sent] == [40, 41] and stream.loss_markers == 2
-
-
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="loss_marker"):
         Stream.of_rank(None, b"", ReplayBuffer(1), Encoder(), 0, "drop")
