@@ -9,12 +9,17 @@ import sys
 
 from setuptools import Extension, setup
 
+_PARTS = {
+    "_ccompact": [f"coalesce/_cc_{part}.h" for part in ("ids", "read", "rules", "build")],
+}
+"""The parts a module's .c file includes (one translation unit)."""
+
 setup(
     ext_modules=[
         Extension(
             f"coalesce.{name}",
             [f"coalesce/{name}.c"],
-            depends=["coalesce/_cstruct.h"],
+            depends=["coalesce/_cstruct.h", *_PARTS.get(name, ())],
             optional=True,
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )

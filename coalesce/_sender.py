@@ -24,7 +24,6 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
@@ -43,12 +42,12 @@ from coalesce._replay import ReplayBuffer, ReplayService
 from coalesce._settings import Settings
 from coalesce._snapshot import HEARTBEAT, SnapshotService
 from coalesce._stream import Stream
+from coalesce._totals import RateLimited, Totals
 from coalesce._wire import Encoder, SendMessage, is_native, message_sender
 from coalesce.compactor import (
     compact,
     compact_for_wire,
     compactable,
-    rule_stats,
 )
 
 __all__ = ["Level", "Sender"]
@@ -81,73 +80,6 @@ class Level(enum.IntEnum):
     """Windows folded and run through every compaction rule."""
     FOLD_ONLY = 2
     """Windows (4x larger) only folded: drains at encoding speed."""
-
-
-class RateLimited:
-    """Log at most one line per ``period`` seconds per key, counting the rest."""
-
-    def __init__(self, period: float = 10.0) -> None:
-        self._period = period
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        self.log(logging.WARNING, key, msg, *args)
-
-    def log(self, level: int, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -self._period) < self._period:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        n = self._suppressed.pop(key, 0)
-        if n:
-            msg += " (%d similar messages suppressed)"
-            args = (*args, n)
-        log.log(level, msg, *args)
-
-
-@dataclass(slots=True)
-class Totals:
-    """The sender's counters: written by the sender thread only, read by ``stats()``.
-
-    Named as the ``PublisherStats`` fields they become, so ``stats()`` passes
-    them through without a mapping; the compaction counters are added by name
-    from each report (:func:`coalesce.compactor.rule_stats`).
-    """
-
-    abandoned_batches: int = 0
-    abandoned_events: int = 0
-    batches_folded: int = 0
-    blocks_cancelled: int = 0
-    blocks_moved: int = 0
-    compaction_failures: int = 0
-    compaction_passes: int = 0
-    encode_failures: int = 0
-    events_merged: int = 0
-    events_superseded: int = 0
-    fold_only_passes: int = 0
-    resync_events: int = 0
-    resyncs: int = 0
-    rules_skipped: int = 0
-
-    def add_pass(self, report: Any, fold_only: bool) -> None:
-        self.compaction_passes += 1
-        self.fold_only_passes += fold_only
-        for field, stat in _RULE_STATS:
-            setattr(self, stat, getattr(self, stat) + getattr(report, field))
-
-    def add_abandoned(self, batches: int, events: int) -> None:
-        self.abandoned_batches += batches
-        self.abandoned_events += events
-
-    def published(self) -> dict[str, Any]:
-        """The counters that are ``PublisherStats`` fields as they are."""
-        return {f.name: getattr(self, f.name) for f in _PUBLISHED}
-
-
-_RULE_STATS = rule_stats()
-_PUBLISHED = [f for f in fields(Totals) if not f.name.startswith("abandoned")]
 
 
 class Sender:

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coalesce import compactor
+from coalesce import _rules, compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from coalesce_tools.workload import Engine, WorkloadConfig
 from tests.streams import batch_lists
@@ -167,7 +167,7 @@ def both(events: list[Any]) -> tuple[list[Any], Counter[str], list[Any], Counter
     c_counts: Counter[str] = Counter()
     py_counts: Counter[str] = Counter()
     out_c = compactor._compact_events(list(events), False, c_counts)
-    out_py = compactor._compact_events_py(list(events), False, py_counts)
+    out_py = _rules.compact_events(list(events), False, py_counts)
     return out_c, c_counts, out_py, py_counts
 
 
@@ -207,7 +207,7 @@ def test_model_streams_match_the_python_rules(batches: list[KVEventBatch]) -> No
 def test_declined_windows_give_the_python_result(events: list[Any]) -> None:
     """Whatever the accelerator declines, the caller's result is still the oracle's."""
     try:
-        expected: Any = compactor._compact_events_py(list(events), False, Counter())
+        expected: Any = _rules.compact_events(list(events), False, Counter())
     except Exception as exc:  # the Python rules reject it: so must the caller
         with pytest.raises(type(exc)):
             compactor._compact_events(list(events), False, Counter())
@@ -457,7 +457,7 @@ def test_more_classes_than_the_accelerator_holds_still_compact() -> None:
             f"Removed{i}", [("block_hashes", list), ("medium", Any)], tag="BlockRemoved"
         )
         events = [cls([1], "GPU"), cls([2], "GPU")]
-        want = compactor._compact_events_py(list(events), False, Counter())
+        want = _rules.compact_events(list(events), False, Counter())
         assert compactor._compact_events(list(events), False, Counter()) == want
         assert len(want) == 1  # the two removals merged
 

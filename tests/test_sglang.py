@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from hypothesis import given
 
-from coalesce import compactor
+from coalesce import _rules, compactor
 from coalesce.events import EventBatch
 from coalesce.publisher import PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
@@ -127,7 +127,7 @@ def test_the_c_rules_tell_a_negative_hash_from_its_unsigned_twin() -> None:
         ]
         window = [EventBatch(0.0, events, 0)]
         out, report = compactor.compact(window)
-        want = compactor._compact_events_py(list(events), False, Counter())
+        want = _rules.compact_events(list(events), False, Counter())
         assert out[0].events == want and report.cancelled == 0
         assert [e.block_hashes for e in want if isinstance(e, BlockStored)] == [[a], [7]]
 

@@ -252,7 +252,7 @@ def test_vllms_classes_take_the_c_rules_and_match_the_python_ones():
     vLLM's declarations, not ours), with the pure-Python rules as the oracle."""
     from collections import Counter
 
-    from coalesce import compactor
+    from coalesce import _rules, compactor
 
     if compactor._accel is None:
         pytest.skip("the C accelerator is not built")
@@ -261,7 +261,7 @@ def test_vllms_classes_take_the_c_rules_and_match_the_python_ones():
     taken = compactor._accelerated(list(events))
     assert taken is not None, "vLLM's classes were declined"
     counts: Counter[str] = Counter()
-    expected = compactor._compact_events_py(list(events), False, counts)
+    expected = _rules.compact_events(list(events), False, counts)
     assert taken[0] == expected
     assert {type(e) for e in taken[0]} <= {vk.BlockStored, vk.BlockRemoved, vk.AllBlocksCleared}
     assert taken[1:] == (counts["superseded"], counts["cancelled"], counts["merged"])
