@@ -89,7 +89,7 @@ bench: $(STAMP)           ## benchmarks (not tests): results in benchmarks/resul
 	$(BIN)/python benchmarks/bench_overload.py
 	$(BIN)/python benchmarks/bench_replay.py
 	$(BIN)/python benchmarks/bench_drain.py
-	$(BIN)/python benchmarks/bench_gil.py
+	$(BIN)/python benchmarks/bench_policy.py
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_compact.py
 	$(BIN)/python benchmarks/bench_recorder.py

@@ -14,7 +14,7 @@ go through four paths, timed in alternation and reported as medians:
   recorder reads the result;
 - ``rules py``: ``compact()`` with the pure-Python rules, then encode;
 - ``level``: what the sender's rules level does (object path): for each window,
-  the rules (C, ``compact_for_wire``) or the fold, as its :class:`~coalesce._payoff.Payoff` chooses
+  the rules (C, ``compact_for_wire``) or the fold, as its ``Payoff`` chooses
   from the windows timed before (now and then the other way); ``rules ran`` is
   the share of windows that ran the rules.  (The sender's fold way takes 4x
   larger windows; here every path gets the same windows).
@@ -44,9 +44,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_publish import make_batch
 
 from coalesce import compactor
-from coalesce._payoff import Payoff
-from coalesce._policy import folding_pays
 from coalesce.events import KVEventBatch
+from coalesce.testing import Payoff, folding_pays, without_accelerator
 from coalesce_tools.results import recording
 from coalesce_tools.workload import Engine, WorkloadConfig
 
@@ -91,7 +90,7 @@ def workloads(limit: int) -> dict[str, list[Window]]:
 def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable[[Window], Any]]:
     """The paths, each a function of one window; ``level`` adds to ``tally``
     ([windows whose rules ran, windows])."""
-    accel = compactor._accel
+    accel = compactor.accelerated()
 
     def raw(w: Window) -> Any:
         return [enc.encode(b) for b in w]
@@ -105,18 +104,14 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         return raw(w)  # big batches: sent as they are
 
     def rules_c(w: Window) -> Any:
-        compactor._accel = accel
         return [enc.encode(b) for b in compactor.compact(w)[0]]
 
     def rules_wire(w: Window) -> Any:
         return [enc.encode(b) for b in compactor.compact_for_wire(w)[0]]
 
     def rules_py(w: Window) -> Any:
-        compactor._accel = None
-        try:
+        with without_accelerator():
             return [enc.encode(b) for b in compactor.compact(w)[0]]
-        finally:
-            compactor._accel = accel
 
     payoff = Payoff()
 
@@ -137,7 +132,7 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         "level": level,
         "rules py": rules_py,
     }
-    if accel is None:
+    if not accel:
         for name in ("rules C", "rules C wire", "level"):
             del paths[name]
     return paths
@@ -213,7 +208,7 @@ def main() -> None:
     args = ap.parse_args()
     print(
         f"# bench_compact: {platform.python_version()}, msgspec {msgspec.__version__}, "
-        f"accelerator {'built' if compactor._accel is not None else 'MISSING'}, "
+        f"accelerator {'built' if compactor.accelerated() else 'MISSING'}, "
         f"window {args.window} events, {args.rounds} rounds x {args.seconds} s, medians\n"
     )
     print(

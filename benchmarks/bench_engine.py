@@ -44,7 +44,7 @@ from _reader import start_reader, stop_reader
 from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
-from coalesce._sender import IDLE_POLL
+from coalesce.testing import IDLE_POLL
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import recording
 

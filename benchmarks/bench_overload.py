@@ -33,7 +33,7 @@ from coalesce_tools.workload import WorkloadConfig
 
 
 def sweep_config(**overrides: Any) -> WorkloadConfig:
-    """The sweep's engine: one rank, 500 steps, one burst of 120 steps (bench_gil
+    """The sweep's engine: one rank, 500 steps, one burst of 120 steps (bench_policy
     runs the same loop)."""
     return replace(
         WorkloadConfig(), ranks=1, steps=500, burst_every=500, burst_length=120, **overrides

@@ -47,9 +47,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_compact import alternate, make_batch, seed_batches, workloads
 
 from coalesce import compactor
-from coalesce._recorder import RELEASE_AT, AnyRecorder, new_recorder
-from coalesce._wire import Encoder
 from coalesce.events import BlockStored, KVEventBatch
+from coalesce.testing import RELEASE_AT, AnyRecorder, Encoder, new_recorder
 from coalesce_tools.results import recording
 
 Window = list[Any]

@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch, PublishOutcome
+from coalesce.testing import held, tap_sends
 from coalesce_tools.host import host
 from coalesce_tools.results import recording
 
@@ -58,26 +59,15 @@ def one_round(blocks: int, name: str) -> dict[str, float]:
         loss_marker="resync",
         snapshot_max_blocks=max(blocks, 1_000_000),
     )
-    sender = pub._sender
     try:
         for b in chains(blocks):  # every one sent: nothing lost yet
             assert pub.publish(b) is PublishOutcome.QUEUED
             assert pub.flush(10.0)
         sends: list[float] = []
-        stream = sender._stream
-        inner = stream._send
-
-        def timed(topic: bytes, seq: int, payload: bytes) -> None:
-            inner(topic, seq, payload)
-            sends.append(time.perf_counter())
-
-        stream.use(timed)
-        sender.hold()
-        try:
+        tap_sends(pub, lambda topic, seq, payload: sends.append(time.perf_counter()))
+        with held(pub):
             assert pub.publish(KVEventBatch(0.0, [])) is PublishOutcome.QUEUED
             assert pub.publish(KVEventBatch(0.0, [])) is PublishOutcome.DROPPED
-        finally:
-            sender.release()
         assert pub.flush(10.0)
         sends.clear()
         t0 = time.perf_counter()  # the next batch accepted brings the loss marker

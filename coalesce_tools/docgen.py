@@ -93,7 +93,7 @@ BENCHMARKS = (
     "publish",
     "overload",
     "engine",
-    "gil",
+    "policy",
     "compact",
     "recorder",
     "resync",

@@ -18,6 +18,7 @@ import zmq
 from hypothesis import settings
 
 from coalesce.events import KVEventBatch
+from coalesce.testing import held as held  # (the tests import it from here)
 
 # Hypothesis profiles, one for every test module: "dev" (quick) for a local run, "ci"
 # (thorough) where CI is set, as CI runners do; HYPOTHESIS_PROFILE chooses either.
@@ -143,20 +144,6 @@ def made() -> Iterator[list[Any]]:
         p.shutdown()
 
 
-@contextmanager
-def held(pub: Any) -> Iterator[None]:
-    """Hold a publisher's sender thread still: nothing leaves the backlog until we exit.
-
-    Deterministic (the thread is parked on an event, not kept off the GIL by the
-    switch interval), so it also holds on free-threaded CPython.  Do not call
-    ``shutdown()`` inside: it waits for the held thread.
-    """
-    sender = pub._sender
-    sender.hold()
-    try:
-        yield
-    finally:
-        sender.release()
 
 
 @contextmanager

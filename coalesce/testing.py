@@ -1,0 +1,107 @@
+"""Hooks for measuring the library: what its benchmarks and tests use beyond the public API.
+
+Not for production code.  Each name here is a way to look inside, or to switch
+one mechanism off for an A/B, kept in one place so that ``benchmarks/`` imports
+nothing private and a change inside the library breaks this module's tests, not
+a benchmark months later.  Nothing here changes what the library does unless
+called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from coalesce import _policy, compactor
+from coalesce._payoff import Payoff
+from coalesce._policy import folding_pays
+from coalesce._recorder import RELEASE_AT, AnyRecorder, new_recorder
+from coalesce._sender import IDLE_POLL
+from coalesce._wire import Encoder
+
+__all__ = [
+    "IDLE_POLL",
+    "POLICY",
+    "RELEASE_AT",
+    "AnyRecorder",
+    "Encoder",
+    "Payoff",
+    "folding_pays",
+    "held",
+    "new_recorder",
+    "policy",
+    "tap_sends",
+    "without_accelerator",
+]
+
+POLICY = frozenset(
+    {"FOLD_GAINS_BELOW", "PRESSURE_FROM", "PRESSURE_SLICE", "WHOLE_FROM", "WIDEN_UP_TO"}
+)
+"""The sender's tuning constants :func:`policy` may set (coalesce/_policy.py)."""
+
+
+@contextmanager
+def policy(*, timed_rules: bool = True, **constants: float) -> Iterator[None]:
+    """Run the sender with some of its tuning changed, for an A/B; restored on exit.
+
+    ``constants``: names in :data:`POLICY` and their values, read by every sender
+    of this process while the block runs.  ``timed_rules=False``: at the rules level
+    every window runs the rules, instead of only while they are timed no dearer than
+    folding alone (:class:`Payoff`).  Raises ``ValueError`` for any other name.
+    """
+    unknown = set(constants) - POLICY
+    if unknown:
+        raise ValueError(f"not a policy constant: {sorted(unknown)} (known: {sorted(POLICY)})")
+    saved = {name: getattr(_policy, name) for name in constants}
+    rules_next = Payoff.rules_next
+    try:
+        for name, value in constants.items():
+            setattr(_policy, name, value)
+        if not timed_rules:
+            Payoff.rules_next = lambda self: True  # type: ignore[method-assign]
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(_policy, name, value)
+        Payoff.rules_next = rules_next  # type: ignore[method-assign]
+
+
+@contextmanager
+def without_accelerator() -> Iterator[None]:
+    """:func:`coalesce.compactor.compact` runs the pure-Python rules while the block runs."""
+    accel = compactor._accel
+    compactor._accel = None
+    try:
+        yield
+    finally:
+        compactor._accel = accel
+
+
+@contextmanager
+def held(pub: Any) -> Iterator[None]:
+    """Hold ``pub``'s sender thread still (it takes nothing from the backlog) while the
+    block runs: a deterministic stand-in for a sender that cannot get the GIL.
+
+    The thread is parked on an event, not kept off the GIL by the switch interval,
+    so this holds on free-threaded CPython too.  Do not call ``shutdown()`` inside:
+    it waits for the held thread."""
+    sender = pub._sender
+    sender.hold()
+    try:
+        yield
+    finally:
+        sender.release()
+
+
+def tap_sends(pub: Any, tap: Callable[[bytes, int, bytes], None]) -> None:
+    """Call ``tap(topic, seq, payload)`` after each message ``pub`` sends from now on
+    (live messages, loss markers and heartbeats, in the sender thread).  O(1)."""
+    stream = pub._sender._stream
+    send = stream._send
+
+    def tapped(topic: bytes, seq: int, payload: bytes) -> None:
+        send(topic, seq, payload)
+        tap(topic, seq, payload)
+
+    stream.use(tapped)
