@@ -71,6 +71,7 @@ pipe, a system call: a few µs of the sender's CPU, which at every loop turn
 once in minutes.  A request waits at most this long, or ``IDLE_POLL`` while
 the sender sleeps."""
 
+
 class Level(enum.IntEnum):
     """The ladder: what the sender does with the backlog (docs/backpressure.md)."""
 
