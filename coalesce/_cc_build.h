@@ -13,7 +13,7 @@ static Py_ssize_t concat_len(const Window *w, const SegVec *segs, const Item *it
     Py_ssize_t total = 0;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
-        total += (g.end - g.start) * per_block_k(&w->src[g.src], tokens ? P_TOKENS : P_HASHES);
+        total += (g.end - g.start) * per_block_k(&w->src[g.src], tokens);
     }
     return total;
 }
@@ -37,7 +37,7 @@ static PyObject *concat_field(Window *w, const SegVec *segs, const Item *it, Py_
     Py_ssize_t at = 0;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
-        Py_ssize_t k = per_block_k(&w->src[g.src], tokens ? P_TOKENS : P_HASHES);
+        Py_ssize_t k = per_block_k(&w->src[g.src], tokens);
         if (k == 0) continue;
         PyObject *lst = seg_list(w, g, off, k);
         if (lst == NULL) {
@@ -190,7 +190,7 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
     Py_ssize_t left = total;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
-        Py_ssize_t k = per_block_k(&w->src[g.src], tokens ? P_TOKENS : P_HASHES);
+        Py_ssize_t k = per_block_k(&w->src[g.src], tokens);
         if (k == 0) continue;
         PyObject *lst = seg_list(w, g, off, k);
         if (lst == NULL) return concat_field(w, segs, it, off, tokens); /* (which raises) */

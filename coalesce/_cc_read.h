@@ -94,11 +94,10 @@ static void trim_all(State *st) {
     for (int j = 0; j < MAX_DESCS; j++) segvec_trim(&st->descs[j].segs);
 }
 
-enum { P_HASHES, P_TOKENS, P_EXTRA, P_LOOK };
-
-/* Items per block in a per-block field of src s: 1, or block_size for tokens. */
-static inline Py_ssize_t per_block_k(const Src *s, int slot) {
-    if (slot != P_TOKENS) return 1;
+/* Items per block in src s's block_hashes (1) or, with `tokens`, its token_ids
+ * (block_size, or 0 for a source without them). */
+static inline Py_ssize_t per_block_k(const Src *s, int tokens) {
+    if (!tokens) return 1;
     return s->tok_nonempty ? s->bs : 0;
 }
 
@@ -285,8 +284,7 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
 
 /* Fields a merge requires equal: identity, then == (all atomic, so no Python
  * code runs). */
-static int attrs_equal(const Window *w, const Src *a, const Src *b) {
-    (void)w;
+static int attrs_equal(const Src *a, const Src *b) {
     if (a->ti != b->ti) return 0;
     for (int i = 0; i < a->ti->n_attr; i++) {
         PyObject *x = FIELD(a->ev, a->ti->attr_off[i]);

@@ -182,7 +182,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             }
             int d = -1;
             for (int k = 0; k < ndescs; k++)
-                if (attrs_equal(w, &w->src[desc_base[k]], s)) {
+                if (attrs_equal(&w->src[desc_base[k]], s)) {
                     d = k;
                     break;
                 }
@@ -224,7 +224,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             const Src *first = &w->src[in[groups[j].first].base];
             join = s->ti == first->ti && s->tok_nonempty == first->tok_nonempty &&
                    s->splittable && s->extra_none == first->extra_none &&
-                   s->look_none == first->look_none && attrs_equal(w, first, s);
+                   s->look_none == first->look_none && attrs_equal(first, s);
         }
         if (join) {
             group_join(groups, next_item, j, i);
@@ -344,7 +344,7 @@ static int rule_sink(Window *w, const Item *in, Py_ssize_t nin, const SegVec *in
         if (it->kind == K_REMOVED) {
             int d = -1;
             for (int j = 0; j < ndescs; j++)
-                if (attrs_equal(w, &w->src[descs[j].base], base)) {
+                if (attrs_equal(&w->src[descs[j].base], base)) {
                     d = j;
                     break;
                 }
@@ -417,7 +417,7 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
             if (chain != NULL && chain_ok && s->ti == first->ti && s->parent >= 0 &&
                 s->parent == last && s->tok_nonempty == first->tok_nonempty && s->splittable &&
                 s->extra_none == first->extra_none && s->look_none == first->look_none &&
-                attrs_equal(w, first, s)) {
+                attrs_equal(first, s)) {
                 for (Py_ssize_t q = 0; q < it->nseg; q++)
                     if (!segvec_push(outsegs, gs[q].src, gs[q].start, gs[q].end)) return -1;
                 chain->nseg += it->nseg;
