@@ -1,28 +1,27 @@
 """The snapshot recorder's price per event, side by side with encoding the same batches.
 
 Snapshots are opt-in; with them on, the sender thread (the engine's process,
-under the GIL) also encodes a 4-element payload (the ``publisher_id``) and
-feeds every batch to the recorder: the sent batches after compaction, as they
-are when it sends 1:1.  Paths, timed in alternation, medians of rounds:
+under the GIL) feeds every batch it sends (after compaction) or refuses to the
+recorder (coalesce/_recorder.py: the replay-program state of vLLM PR
+#57789).  Paths, timed in alternation, medians of rounds:
 
 - ``raw``: each batch encoded on its own (vLLM's sender);
-- ``raw+id``: the same with the ``publisher_id`` as a 4th element;
-- ``record C`` / ``record Python``: the C recorder (coalesce/_crecord.c, the
-  one the publisher uses when it is built) and the pure-Python one, recording
-  each batch (a fresh recorder per pass, so stores are new keys as in a live
-  stream);
-- ``record C compacted``: the C recorder fed the C rules' output of each
-  window (what the sender records under pressure).
+- ``decode``: each encoded payload decoded back into vLLM-shaped events: the
+  first step of the PR's own recorder, which folds the payloads it sent (a
+  floor under its cost, on another thread of the same process);
+- ``record``: the recorder fed each batch (a fresh recorder per pass, so stores
+  are new keys as in a live stream);
+- ``record compacted``: the recorder fed the rules' output of each window
+  (what the sender records under pressure).
 
 Then the engine's share: an engine thread runs steps of Python work and a
 GIL-free wait (a GPU step's shape), handing one batch per step to a sender
-thread that only records it; the engine loop's time with no recorder, with
-the C recorder holding the GIL throughout, and with its table pass run
-without the GIL (what the publisher does from ``RELEASE_AT`` hashes).
+thread that records it, or only decodes its payload (the PR's recorder's
+floor), or does nothing with it; the engine loop's time for each.
 
-Then the snapshot itself, per recorder: building and encoding the chunks of
-the state the seed workload leaves, per block, and the longest chunk (one
-sender step); and a snapshot of ``--blocks`` (1M) held blocks, end to end.
+Then the snapshot itself: building and encoding the chunks of the program the
+seed workload leaves, per held block, and the longest chunk (one sender
+step); and a snapshot of ``--blocks`` (1M) held blocks, end to end.
 
     .venv/bin/python benchmarks/bench_recorder.py [--seconds 0.4] [--rounds 7] [--blocks N]
 """
@@ -48,7 +47,7 @@ from bench_compact import alternate, make_batch, seed_batches, workloads
 
 from coalesce import compactor
 from coalesce.events import BlockStored, KVEventBatch
-from coalesce.testing import RELEASE_AT, AnyRecorder, Encoder, new_recorder
+from coalesce.testing import Encoder, Recorder
 from coalesce_tools.results import recording
 
 Window = list[Any]
@@ -56,19 +55,20 @@ Window = list[Any]
 
 def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
     enc = Encoder()
-    enc_id = Encoder(b"\x01" * 16)
     batches = [b for w in windows for b in w]
     compacted = [b for w in windows for b in compactor.compact(w)[0]]
+    payloads = [enc.encode(b) for b in batches]
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
 
     def raw() -> Any:
         return [enc.encode(b) for b in batches]
 
-    def raw_id() -> Any:
-        return [enc_id.encode(b) for b in batches]
+    def decode() -> Any:
+        return [dec.decode(p) for p in payloads]
 
-    def recorder(accelerated: bool, stream: list[Any]) -> Callable[[], Any]:
+    def recorder(stream: list[Any]) -> Callable[[], Any]:
         def record() -> Any:
-            rec = new_recorder(10_000_000, accelerated=accelerated)
+            rec = Recorder(10_000_000)
             for b in stream:
                 rec.record(b)
             return rec
@@ -77,27 +77,26 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
 
     return {
         "raw": raw,
-        "raw+id": raw_id,
-        "record C": recorder(True, batches),
-        "record C compacted": recorder(True, compacted),
-        "record Python": recorder(False, batches),
+        "decode": decode,
+        "record": recorder(batches),
+        "record compacted": recorder(compacted),
     }
 
 
 def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
     """Median seconds per input event of each path (bench_compact's alternation)."""
     events = sum(len(b.events) for w in windows for b in w)
-    return alternate(_paths(windows), events, seconds, rounds, slow={"record Python": 10})
+    return alternate(_paths(windows), events, seconds, rounds)
 
 
-def snapshot_cost(rec: AnyRecorder, rounds: int) -> tuple[float, float]:
-    """(seconds per block, longest chunk in seconds) to build and encode the snapshot."""
-    enc = Encoder(b"\x01" * 16)
+def snapshot_cost(rec: Recorder, rounds: int) -> tuple[float, float]:
+    """(seconds per held block, longest chunk in seconds) to build and encode the snapshot."""
+    enc = Encoder()
     per_block, longest = [], 0.0
     for _ in range(rounds):
         t0 = last = time.perf_counter()
         for chunk in rec.chunks():
-            enc.encode_with_id(0.0, chunk, 0)
+            enc.encode_now(chunk, 0)
             now = time.perf_counter()
             longest = max(longest, now - last)
             last = now
@@ -105,14 +104,18 @@ def snapshot_cost(rec: AnyRecorder, rounds: int) -> tuple[float, float]:
     return statistics.median(per_block), longest
 
 
-def engine_loop(batches: list[Any], release_at: int | None) -> float:
+def engine_loop(batches: list[Any], how: str) -> float:
     """Seconds of an engine loop of one step per batch (about 50 us of Python and
-    a 100 us GIL-free wait), each batch recorded by a sender thread (None: none)."""
+    a 100 us GIL-free wait), each batch handed to a sender thread that records it
+    (``how="record"``), decodes its payload (``"decode"``: the PR's recorder's
+    first step), or does nothing with it (``"none"``)."""
     pending: collections.deque[Any] = collections.deque()
     wake = threading.Event()
-    rec = (
-        None if release_at is None else new_recorder(10**7, accelerated=True, release_at=release_at)
-    )
+    rec = Recorder(10**7) if how == "record" else None
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch) if how == "decode" else None
+    enc = Encoder()
+    if dec is not None:
+        batches = [enc.encode(b) for b in batches]  # (the bytes it sent: encoded beforehand)
 
     def sender() -> None:
         while True:
@@ -124,6 +127,8 @@ def engine_loop(batches: list[Any], release_at: int | None) -> float:
                     return
                 if rec is not None:
                     rec.record(b)
+                elif dec is not None:
+                    dec.decode(b)
 
     thread = threading.Thread(target=sender)
     thread.start()
@@ -144,18 +149,18 @@ def engine_loop(batches: list[Any], release_at: int | None) -> float:
 
 def engine_share(batches: list[Any], rounds: int) -> dict[str, float]:
     """Median engine-loop seconds per path, paths alternated in each round."""
-    paths = {"no recorder": None, "GIL held": 0, "tables without GIL": RELEASE_AT}
+    paths = {"no recorder": "none", "recorder": "record", "decode": "decode"}
     times: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(rounds):
-        for name, release_at in paths.items():
+        for name, how in paths.items():
             gc.collect()
-            times[name].append(engine_loop(batches, release_at))
+            times[name].append(engine_loop(batches, how))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def big_state(blocks: int, accelerated: bool) -> AnyRecorder:
+def big_state(blocks: int) -> Recorder:
     """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size)."""
-    rec = new_recorder(blocks + 1, accelerated=accelerated)
+    rec = Recorder(blocks + 1)
     for start in range(0, blocks, 64):
         hashes = [(2**40 + h) * 2654435761 % 2**64 for h in range(start, min(start + 64, blocks))]
         ev = BlockStored(
@@ -183,25 +188,18 @@ def main() -> None:
         f"# bench_recorder: {platform.python_version()}, msgspec {msgspec.__version__}, "
         f"{args.rounds} rounds x {args.seconds} s, medians\n"
     )
-    print(
-        "| workload | raw encode ns/event | raw+id | record C | record C compacted "
-        "| record Python |"
-    )
-    print("|---|---|---|---|---|---|")
+    print("| workload | raw encode ns/event | decode | record | record compacted |")
+    print("|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
         per = measure(windows, args.seconds, args.rounds)
         raw = per["raw"]
         print(
-            f"| {name} | {raw * 1e9:.0f} | {per['raw+id'] / raw:.2f}x | "
-            f"{per['record C'] / raw:.2f}x | {per['record C compacted'] / raw:.2f}x | "
-            f"{per['record Python'] / raw:.1f}x |",
+            f"| {name} | {raw * 1e9:.0f} | {per['decode'] / raw:.2f}x | "
+            f"{per['record'] / raw:.2f}x | {per['record compacted'] / raw:.2f}x |",
             flush=True,
         )
-    print(
-        "\n| engine's share | batches | events/batch | no recorder s | GIL held "
-        "| tables without GIL |"
-    )
+    print("\n| engine's share | batches | events/batch | no recorder s | recorder | decode |")
     print("|---|---|---|---|---|---|")
     for name, stream in (
         ("seed burst", seed_batches(True, 1100)),
@@ -211,33 +209,27 @@ def main() -> None:
         base = loop["no recorder"]
         print(
             f"| {name} | {len(stream)} | {sum(len(b.events) for b in stream) / len(stream):.0f} "
-            f"| {base:.3f} | {loop['GIL held'] / base:.2f}x "
-            f"| {loop['tables without GIL'] / base:.2f}x |",
+            f"| {base:.3f} | {loop['recorder'] / base:.2f}x | {loop['decode'] / base:.2f}x |",
             flush=True,
         )
     print("\n| snapshot | blocks | ns per block (build + encode) | longest chunk ms | total s |")
     print("|---|---|---|---|---|")
-    seed = seed_batches(True, 1500)
-    for accelerated in (True, False):
-        label = "C" if accelerated else "Python"
-        rec = new_recorder(10_000_000, accelerated=accelerated)
-        for b in seed:
-            rec.record(b)
-        per_block, longest = snapshot_cost(rec, args.rounds)
-        print(
-            f"| seed workload, {label} | {rec.held:,} | {per_block * 1e9:.0f} | "
-            f"{longest * 1e3:.2f} | {per_block * rec.held:.2f} |",
-            flush=True,
-        )
-        big = big_state(args.blocks, accelerated)
-        per_block, longest = snapshot_cost(big, 1 if not accelerated else 3)
-        print(
-            f"| {args.blocks:,} blocks, {label} | {big.held:,} | {per_block * 1e9:.0f} | "
-            f"{longest * 1e3:.2f} | {per_block * big.held:.2f} |",
-            flush=True,
-        )
-        del big
-        gc.collect()
+    rec = Recorder(10_000_000)
+    for b in seed_batches(True, 1500):
+        rec.record(b)
+    per_block, longest = snapshot_cost(rec, args.rounds)
+    print(
+        f"| seed workload | {rec.held:,} | {per_block * 1e9:.0f} | "
+        f"{longest * 1e3:.2f} | {per_block * rec.held:.2f} |",
+        flush=True,
+    )
+    big = big_state(args.blocks)
+    per_block, longest = snapshot_cost(big, 3)
+    print(
+        f"| {args.blocks:,} blocks | {big.held:,} | {per_block * 1e9:.0f} | "
+        f"{longest * 1e3:.2f} | {per_block * big.held:.2f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
@@ -100,15 +101,16 @@ static int send_frame(void *h, const void *data, size_t n, int flags) {
 }
 
 PyDoc_STRVAR(send_doc,
-             "send(handle, topic, seq, payload) -> int\n\n"
-             "Send [topic, seq as 8 bytes big-endian, payload] on the socket at\n"
-             "`handle`, holding the GIL; 0, or the errno of the frame that failed\n"
-             "(the caller raises).  Non-blocking (ZMQ_DONTWAIT).  Only after bind().\n"
-             "O(len(payload)).");
+             "send(handle, topic, seq, payload[, tail]) -> int\n\n"
+             "Send [topic, seq as 8 bytes big-endian + tail, payload] on the socket\n"
+             "at `handle`, holding the GIL; 0, or the errno of the frame that failed\n"
+             "(the caller raises).  `tail`: at most 16 bytes after the seq (the\n"
+             "publisher id of a stream with snapshots on).  Non-blocking\n"
+             "(ZMQ_DONTWAIT).  Only after bind().  O(len(payload)).");
 
 static PyObject *cs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "send() takes 4 arguments");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "send() takes 4 or 5 arguments");
         return NULL;
     }
     if (z_send == NULL) {
@@ -123,14 +125,23 @@ static PyObject *cs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     unsigned long long seq = PyLong_AsUnsignedLongLong(args[2]);
     if (seq == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    unsigned char be[8];
+    unsigned char be[24];
+    size_t seq_len = 8;
+    if (nargs == 5) {
+        if (!PyBytes_CheckExact(args[4]) || PyBytes_GET_SIZE(args[4]) > 16) {
+            PyErr_SetString(PyExc_TypeError, "tail must be bytes of at most 16");
+            return NULL;
+        }
+        memcpy(be + 8, PyBytes_AS_STRING(args[4]), (size_t)PyBytes_GET_SIZE(args[4]));
+        seq_len += (size_t)PyBytes_GET_SIZE(args[4]);
+    }
     for (int i = 7; i >= 0; i--) {
         be[i] = (unsigned char)(seq & 0xff);
         seq >>= 8;
     }
     int err = send_frame(h, PyBytes_AS_STRING(args[1]), (size_t)PyBytes_GET_SIZE(args[1]),
                          Z_SNDMORE);
-    if (err == 0) err = send_frame(h, be, sizeof(be), Z_SNDMORE);
+    if (err == 0) err = send_frame(h, be, seq_len, Z_SNDMORE);
     if (err == 0)
         err = send_frame(h, PyBytes_AS_STRING(args[3]), (size_t)PyBytes_GET_SIZE(args[3]), 0);
     return PyLong_FromLong(err);

@@ -1,6 +1,6 @@
-/* What both C accelerators (_ccompact.c, _crecord.c) share: reading msgspec
- * structs' fields at their slot offsets, and block hashes as 64-bit values.
- * Header-only (static functions): each extension gets its own copy. */
+/* Reading msgspec structs' fields at their slot offsets, and block hashes as
+ * 64-bit values (for _ccompact.c and its parts).  Header-only (static
+ * functions). */
 #ifndef COALESCE_CSTRUCT_H
 #define COALESCE_CSTRUCT_H
 

@@ -1,9 +1,9 @@
-"""The check, at import, that the C accelerators read objects as they assume.
+"""The check, at import, that the C compactor reads objects as it assumes.
 
-``_ccompact`` and ``_crecord`` read a msgspec struct's fields straight from
+``_ccompact`` reads a msgspec struct's fields straight from
 its slots, at the offsets its member descriptors name, and (on CPython before
 3.12) a block hash's digits straight from the int.  Both are layouts of other
-projects: :func:`layout_problem` runs the modules' own readers (``fields_at``,
+projects: :func:`layout_problem` runs the module's own readers (``fields_at``,
 ``u64``) on objects whose values it knows, and the caller uses the pure-Python
 code instead when they disagree.  O(fields of the probe objects).
 """

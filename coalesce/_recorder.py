@@ -1,81 +1,132 @@
-"""The snapshot recorder: the index a subscriber that saw every published batch holds.
+"""The snapshot recorder: the state a snapshot serves, as a replay program.
 
 Pure state, no I/O and no threads: the sender thread feeds it every batch
-``publish()`` accepted or refused, in publish order (after compaction: what
-was sent, whose final state is the same), and :meth:`Recorder.chunks`
-rebuilds that index as ``BlockStored`` events for a snapshot reply.
+``publish()`` accepted or refused, in publish order (what it sent, after
+compaction, or what it refused), and :meth:`Recorder.chunks` writes the state
+out as vLLM PR #57789's *replay program*: the recorded ``BlockStored`` events
+that are still needed, whole and in the order they were recorded, then the
+``BlockRemoved`` events that bring every key back to its count.  A fresh
+index that applies the program holds what an index that applied every
+recorded batch holds; since no store is split or rebuilt, every field a
+consumer reads (tokens, extra keys, locality...) is as the engine sent it.
 
-The state is the ``refcount`` model of docs/event-semantics.md, the engine's
-truth: a count per key ``(medium, group_idx, block_hash)``, a removal at zero
-a no-op, ``AllBlocksCleared`` empties it.  For each key it keeps the event
-that last stored it (and the block's position in it), for the tokens and the
-other fields; the event object is shared, not copied.  For each hash it keeps
-the parent and a reference count: held keys with that hash plus retained
-children.  A hash no key holds any more is kept while it is the ancestor of
-a held one, so a snapshot can re-store it for a parent-checking subscriber
-(llm-d, Dynamo) and remove it again: every store of the snapshot finds its
-parent in its own medium and group.
+The state:
 
-:func:`new_recorder` returns the C state (``coalesce/_crecord.c``, wrapped
-by ``_CRecorder``) when it is built, and this pure-Python :class:`Recorder`
-otherwise; the Python one is also the tests' oracle for the C one.
+- a *key* is ``(medium, group_idx, locality, ownership, block_hash)`` (the
+  PR's scope plus the hash); each held key has a count (the ``refcount``
+  model of docs/event-semantics.md: a store adds one, a removal takes one
+  away, a removal at zero is a no-op) and the *source*, the store event that
+  last stored it;
+- a source is kept while a held key names it or a kept source depends on it:
+  a store depends on the source of its parent (the key holding the parent in
+  the store's own scope, else in another scope) and, when it carries no
+  tokens, on a held key's source with tokens for each of its hashes.
+  A dependency is always recorded earlier, so the program, in recorded order,
+  stores every parent before its children (a parent-checking subscriber,
+  llm-d or Dynamo, accepts every store) and ends by removing what no key
+  holds any more;
+- ``AllBlocksCleared`` empties it, every tier, as llm-d and Dynamo apply it
+  to the live stream and as the compactor folds it (the PR's recorder keeps
+  the offload tiers; a snapshot here must agree with the live stream it
+  continues: docs/subscribers.md).
 
-Memory: one dict entry and one small list per held key, one per retained
-hash, plus the events they reference (an event stays alive while any of its
-blocks is held); the C state keeps a fixed-size record per key and per hash
-instead.  ``max_blocks`` bounds both counts; past it, or on anything
-it cannot interpret, the recorder is *unavailable* (it forgets everything and
-a snapshot request gets ``-2``) until the next ``AllBlocksCleared``, after
+Unavailable: past ``max_blocks`` references held, or blocks in the sources
+kept, or on an event it cannot interpret, the recorder forgets everything and
+a snapshot request gets ``-2`` until the next ``AllBlocksCleared``, after
 which it is exact again.
+
+Memory: per held key one dict entry, its count and source packed in one int
+(a table of ints is not tracked by the cyclic garbage collector, whose
+passes over a large state would otherwise cost the engine's thread); per
+kept source its event (shared, not copied: its hash list is read again for
+the program) and its dependencies.
+
+:meth:`Recorder.record` runs its loop in C (``coalesce/_crecord.c``) where that
+is built: the same steps on the same dicts and lists, so the Python loop here
+is its fallback and the tests' oracle (tests/test_recorder.py runs both).  It
+reads fields by name, not at slot offsets: it assumes no layout.
 """
 
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
-from typing import Any, ClassVar, TypeAlias
+from typing import Any
 
-from coalesce import _layout
-from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
+from coalesce._env import NO_ACCEL, switched_on
+from coalesce.events import BlockRemoved, BlockStored
 
-__all__ = ["AnyRecorder", "Recorder", "new_recorder"]
+__all__ = ["CHUNK_EVENTS", "Recorder"]
 
-_accel: ModuleType | None = _layout.load_accelerator("_crecord", "the same recorder runs in Python")
-"""The optional C state (coalesce/_crecord.c), or None: not built, or disabled
-by setting ``COALESCE_NO_ACCEL=1``."""
-
-CHUNK_BLOCKS = 256
-"""Blocks per snapshot chunk (one ``KVEventBatch``): bounds the work of one step."""
+CHUNK_EVENTS = 256
+"""Events per snapshot chunk (one batch), as in the PR: bounds one step's work."""
 CHUNK_TOKENS = 65_536
-"""Tokens per snapshot chunk: bounds a chunk's bytes whatever the block size."""
-RELEASE_AT = 64
-"""Block hashes in a batch from which the C recorder updates its tables with
-the GIL released (the engine thread runs meanwhile); below it, releasing it
-gave the engine nothing measurable (docs/benchmarks.md)."""
+"""Tokens per snapshot chunk (a chunk still holds one whole store, however long)."""
+CHUNK_WORK = 2048
+"""Keys looked at per chunk while writing the program (a chunk may be empty then)."""
+REMOVED_PER_EVENT = 1024
+"""Hashes per corrective ``BlockRemoved`` (only removals are ever split)."""
 
-_UNSET: Any = object()
+Scope = tuple[Any, Any, Any, Any]
+"""``(medium, group_idx, locality, ownership)``: a key is a scope and a hash."""
+SHIFT = 32
+"""A held key's value is ``source id << SHIFT | count``."""
+_COUNT = (1 << SHIFT) - 1
+MAX_ID = 1 << 31
+"""Source ids are renumbered from 0 (O(state), once per ``MAX_ID`` stores) before
+they reach it, so that a value fits the C loop's 64-bit integer."""
+
+# A source is a tuple (the C loop builds and reads the same; with a struct event of
+# gc=False, as vLLM's and this project's are, the collector stops tracking it):
+EVENT, SCOPE, DEPS, TOKENS, SIZE = range(5)
+"""Its store event, scope, the ids of the sources it depends on (a tuple), whether
+it has tokens, and its number of hashes.  What keeps it (keys naming it, and
+dependants) is counted apart, in an int-to-int dict."""
+# The counters, a list too:
+NEXT, HELD, COUNTS, KEPT = range(4)
+"""The next source id, keys held, the counts' sum, the kept sources' hashes."""
+
+STORED, REMOVED, CLEARED, MOVED, OTHER = range(5)
+"""Event kinds, by wire tag (OTHER: ignored, as the subscriber models do)."""
 
 
-def _tag(ev: Any) -> str | None:
-    config = getattr(type(ev), "__struct_config__", None)
-    return None if config is None else config.tag
+def _load_accel() -> ModuleType | None:
+    if switched_on(NO_ACCEL):
+        return None
+    try:
+        from coalesce import _crecord
+    except ImportError:
+        return None
+    return _crecord
+
+
+_accel: ModuleType | None = _load_accel()
+"""The optional C loop (coalesce/_crecord.c), or None: not built, or disabled by
+setting ``COALESCE_NO_ACCEL=1``."""
 
 
 class Recorder:
-    """Exact per-key reference counts, and what is needed to re-store each key.
+    """Exact per-key counts, and the recorded stores that rebuild them.
 
-    :meth:`record` is O(hashes in the batch); :meth:`chunks` is O(held keys +
-    retained ancestors) in all, a bounded slice per chunk.  Not thread-safe:
-    the sender thread owns it.
+    :meth:`record` is O(hashes in the batch) (amortised: a source is
+    collected once; a parent or token lookup outside the store's scope is
+    O(scopes), a handful); :meth:`chunks` is O(kept sources and their hashes)
+    in all, a bounded slice per chunk.  Not thread-safe: the sender thread
+    owns it.  ``accelerated``: None, the C loop where built; False, never.
     """
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, *, accelerated: bool | None = None) -> None:
+        if accelerated and _accel is None:
+            raise ImportError("coalesce._crecord is not built")
         self.max_blocks = max_blocks
-        # (medium, group, hash) -> [count, source event, index of the block in it]
-        self._live: dict[tuple[Any, Any, Any], list[Any]] = {}
-        # hash -> [refs, parent, source event, index, parent_counted]
-        self._info: dict[Any, list[Any]] = {}
+        self._c = None if accelerated is False else _accel
+        self._live: dict[Scope, dict[Any, int]] = {}  # scope -> hash -> source << SHIFT | count
+        self._sources: dict[int, tuple[Any, ...]] = {}  # in recorded order
+        self._refs: dict[int, int] = {}  # source id -> keys naming it + dependants
+        self._unused: list[int] = []
+        self._n: list[int] = [0, 0, 0, 0]  # NEXT, HELD, COUNTS, KEPT
         self.valid = True
         """False while the recorder is unavailable (see the module docstring)."""
         self.reason = ""
@@ -84,449 +135,427 @@ class Recorder:
         self.batches = 0
         self.events = 0
 
+    @property
+    def accelerated(self) -> bool:
+        """Whether :meth:`record` runs its loop in C.  O(1)."""
+        return self._c is not None
+
     # -- feeding ---------------------------------------------------------------
 
-    def record(self, batch: Any, keep_gil: bool = False) -> None:
+    def record(self, batch: Any) -> None:
         """Apply one batch's events, in order.  O(hashes); never raises.
-        (``keep_gil``: as :class:`_CRecorder`'s; this one never releases it.)
 
-        While unavailable, only an ``AllBlocksCleared`` is looked for; it makes
-        the recorder exact again and the events after it are applied.
+        While unavailable, only an ``AllBlocksCleared`` is looked for; it
+        makes the recorder exact again and the events after it are applied.
         """
         self.batches += 1
         try:
             events = batch.events
+            if type(events) is not list:
+                events = list(events)
             self.events += len(events)
-            for ev in events:
-                tag = _tag(ev)
-                if tag == "AllBlocksCleared":
-                    self._live.clear()
-                    self._info.clear()
-                    self.valid, self.reason = True, ""
-                elif not self.valid:
-                    continue
-                elif tag == "BlockStored":
-                    self._store(ev, ev.medium)
-                elif tag == "BlockRemoved":
-                    self._remove(ev.block_hashes, ev.medium, getattr(ev, "group_idx", None))
-                elif tag == "BlockMoved":
-                    self._store(ev, ev.to_medium)
-                    self._remove(ev.block_hashes, ev.from_medium, getattr(ev, "group_idx", None))
-                # any other tag: the subscriber models ignore it, and so does the state
+            i, end, c, n = 0, len(events), self._c, self._n
+            while i < end:
+                if n[NEXT] >= MAX_ID:
+                    self._renumber()
+                if c is not None and self.valid:
+                    i = c.record(
+                        events, i, _KINDS, self._live, self._sources, self._refs, self._unused, n
+                    )
+                    if i == end:
+                        break
+                i = self._record_from(events, i, c is not None)
+            self._collect()
         except Exception as exc:  # a value it cannot interpret: its effect is unknown
             self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
             return
-        if self.valid and (len(self._live) > self.max_blocks or len(self._info) > self.max_blocks):
-            self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks held")
+        if self.valid and (n[COUNTS] > self.max_blocks or n[KEPT] > self.max_blocks):
+            self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+
+    def _record_from(self, events: list[Any], i: int, one: bool) -> int:
+        """Apply ``events[i:]`` (only ``events[i]`` if ``one``: where the C loop
+        stopped); the index after the last applied."""
+        for j in range(i, len(events)):
+            ev = events[j]
+            kind = _KINDS.get(type(ev))
+            if kind is None:
+                kind = _KINDS[type(ev)] = _kind(type(ev))
+            if kind == CLEARED:
+                self._forget()
+                self.valid, self.reason = True, ""
+            elif not self.valid:
+                pass
+            elif kind == REMOVED:
+                self._remove(ev, _scope_of(ev))
+            elif kind == STORED:
+                self._store(ev, ev)
+            elif kind == MOVED:
+                self._store(ev, _moved_store(ev))
+                self._remove(ev, (ev.from_medium, *_scope_of(ev)[1:]))
+            # OTHER: the subscriber models ignore it, and so does the state
+            if one:
+                return j + 1
+        return len(events)
+
+    def _renumber(self) -> None:
+        """Give the kept sources the ids 0.. in their order.  O(state)."""
+        self._collect()
+        ids = {old: new for new, old in enumerate(self._sources)}
+        self._sources = {
+            ids[old]: (s[EVENT], s[SCOPE], tuple(ids[d] for d in s[DEPS]), s[TOKENS], s[SIZE])
+            for old, s in self._sources.items()
+        }
+        self._refs = {ids[old]: refs for old, refs in self._refs.items()}
+        for table in self._live.values():
+            for h, value in table.items():
+                table[h] = ids[value >> SHIFT] << SHIFT | value & _COUNT
+        self._n[NEXT] = len(ids)
 
     def invalidate(self, reason: str) -> None:
         """Forget everything: unavailable until the next ``AllBlocksCleared``.  O(1)."""
         if self.valid:
             self.invalidations += 1
         self.valid, self.reason = False, reason
-        self._live = {}
-        self._info = {}
+        self._forget()
 
-    def _store(self, ev: Any, medium: Any) -> None:
-        live, info = self._live, self._info
-        group = getattr(ev, "group_idx", None)
+    def _forget(self) -> None:
+        self._live, self._sources, self._refs, self._unused = {}, {}, {}, []
+        self._n[HELD] = self._n[COUNTS] = self._n[KEPT] = 0
+
+    def _store(self, ev: Any, src: Any) -> None:
         hashes = ev.block_hashes
-        prev = ev.parent_block_hash
-        for i, h in enumerate(hashes):
-            key = (medium, group, h)
-            entry = live.get(key)
-            if entry is not None:
-                entry[0] += 1
-                entry[1] = ev
-                entry[2] = i
-                node = info[h]
-                node[2] = ev
-                node[3] = i
-            else:
-                live[key] = [1, ev, i]
-                known = info.get(h)
-                if known is None:
-                    counted = prev is not None and prev != h and prev in info
-                    if counted:
-                        info[prev][0] += 1
-                    info[h] = [1, prev, ev, i, counted]
-                else:
-                    known[0] += 1
-                    known[2] = ev
-                    known[3] = i
-            prev = h
-
-    def _remove(self, hashes: Any, medium: Any, group: Any) -> None:
-        live, info = self._live, self._info
+        size = len(hashes)  # (None raises: an event it cannot interpret)
+        if size == 0:
+            return
+        scope = _scope_of(src)
+        live, sources, n = self._live, self._sources, self._n
+        table = live.get(scope)
+        if table is None:
+            table = live[scope] = {}
+        deps: list[int] = []
+        parent = src.parent_block_hash
+        if parent is not None:
+            held = table.get(parent)
+            if held is None:
+                for other in live.values():
+                    held = other.get(parent)
+                    if held is not None:
+                        break
+            if held is not None:
+                deps.append(held >> SHIFT)
+        tokens = bool(getattr(src, "token_ids", None))
+        if not tokens:
+            for h in hashes:
+                for other in live.values():
+                    held = other.get(h)
+                    if held is not None and sources[held >> SHIFT][TOKENS]:
+                        if held >> SHIFT not in deps:
+                            deps.append(held >> SHIFT)
+                        break
+        sid = n[NEXT]
+        n[NEXT] = sid + 1
+        sources[sid] = (src, scope, tuple(deps), tokens, size)
+        refs = self._refs
+        refs[sid] = 0
+        n[KEPT] += size
+        for dep in deps:
+            refs[dep] += 1
+        new = names = 0  # keys created; keys that name it now
+        mine = sid << SHIFT
         for h in hashes:
-            key = (medium, group, h)
-            entry = live.get(key)
-            if entry is None:
+            value = table.get(h)
+            if value is None:
+                table[h] = mine | 1
+                new += 1
+            else:
+                table[h] = mine | ((value & _COUNT) + 1)
+                old = value >> SHIFT
+                if old != sid:  # (else: a hash repeated in this event)
+                    names += 1
+                    self._release(old)
+        refs[sid] += new + names
+        n[HELD] += new
+        n[COUNTS] += size
+
+    def _remove(self, ev: Any, scope: Scope) -> None:
+        table = self._live.get(scope)
+        if table is None:
+            return
+        n = self._n
+        for h in ev.block_hashes:
+            value = table.get(h)
+            if value is None:
                 continue  # a removal of a key not held is a no-op
-            if entry[0] > 1:
-                entry[0] -= 1
+            n[COUNTS] -= 1
+            if value & _COUNT > 1:
+                table[h] = value - 1
+            else:
+                del table[h]
+                n[HELD] -= 1
+                self._release(value >> SHIFT)
+
+    def _release(self, sid: int) -> None:
+        left = self._refs[sid] - 1
+        self._refs[sid] = left
+        if not left:
+            self._unused.append(sid)
+
+    def _collect(self) -> None:
+        """Drop the sources nothing keeps (at the end of a batch, and before ids are
+        renumbered).  O(sources dropped)."""
+        if self._c is not None:
+            self._c.collect(self._sources, self._refs, self._unused, self._n)
+            return
+        unused, sources, refs = self._unused, self._sources, self._refs
+        while unused:
+            sid = unused.pop()
+            source = sources.get(sid)
+            if source is None or refs[sid] > 0:
                 continue
-            del live[key]
-            node = info[h]
-            while True:  # release the hash, and ancestors nothing else keeps
-                node[0] -= 1
-                if node[0]:
-                    break
-                del info[h]
-                if not node[4]:
-                    break
-                h = node[1]
-                node = info[h]
+            del sources[sid]
+            del refs[sid]
+            self._n[KEPT] -= source[SIZE]
+            for dep in source[DEPS]:
+                self._release(dep)
 
     # -- reading ---------------------------------------------------------------
 
     @property
     def held(self) -> int:
         """Keys held right now.  O(1)."""
-        return len(self._live)
+        return self._n[HELD]
 
     @property
     def retained(self) -> int:
-        """Hashes kept (held somewhere, or the ancestor of a held one).  O(1)."""
-        return len(self._info)
+        """Store events kept for the program.  O(1)."""
+        return len(self._sources)
 
     def state(self) -> dict[tuple[Any, Any, Any], int]:
-        """The held keys and their counts (the ``refcount`` model's state).  O(keys)."""
-        return {k: e[0] for k, e in self._live.items()}
+        """The held counts per ``(medium, group_idx, hash)`` (the reference models'
+        key: locality and ownership summed).  O(keys)."""
+        out: dict[tuple[Any, Any, Any], int] = {}
+        for (medium, group, _, _), table in self._live.items():
+            for h, value in table.items():
+                k = (medium, group, h)
+                out[k] = out.get(k, 0) + (value & _COUNT)
+        return out
 
     def check(self) -> None:
-        """Assert the invariants (tests call it after each batch).  O(keys + hashes)."""
-        refs: dict[Any, int] = {}
-        for (_, _, h), entry in self._live.items():
-            assert entry[0] >= 1, "a held key has a positive count"
-            assert h in self._info, "a held key's hash is retained"
-            refs[h] = refs.get(h, 0) + 1
-        for node in self._info.values():
-            if node[4]:
-                assert node[1] in self._info, "a counted parent is retained"
-                refs[node[1]] = refs.get(node[1], 0) + 1
-        for h, node in self._info.items():
-            assert node[0] == refs.get(h, 0) >= 1, "refs = held keys + counted children"
+        """Assert the invariants (tests call it after each batch).  O(keys + sources)."""
+        refs: Counter[int] = Counter()
+        total = held = 0
+        for scope, table in self._live.items():
+            for h, value in table.items():
+                count, sid = value & _COUNT, value >> SHIFT
+                source = self._sources[sid]
+                assert count >= 1, "a held key has a positive count"
+                assert source[SCOPE] == scope and h in source[EVENT].block_hashes, "its source"
+                refs[sid] += 1
+                total += count
+                held += 1
+        assert total == self._n[COUNTS] and held == self._n[HELD], "the totals are kept"
+        for sid, source in self._sources.items():
+            for dep in source[DEPS]:
+                assert dep < sid, "a dependency was recorded earlier"
+                refs[dep] += 1
+        for sid in self._sources:
+            assert self._refs[sid] == refs[sid] >= 1, "refs = keys naming it + dependants"
+        assert self._refs.keys() == self._sources.keys()
+        assert self._n[KEPT] == sum(s[SIZE] for s in self._sources.values())
+        assert not self._unused, "collected at the end of every batch"
 
     def chunks(self) -> Generator[list[Any], None, None]:
-        """The state as events, a chunk (one batch's events) per ``next()``.
+        """The program, a chunk (one batch's events) per ``next()``.
 
-        Every held key is stored ``count`` times, parents first within its
-        medium and group; an ancestor no key holds there is stored before its
-        first child and removed again at the end, so a parent-checking
-        subscriber accepts every store.  Consecutive blocks of one source
-        event are merged back into one chained store.  The state must not
-        change until the iterator is exhausted or closed (the caller defers
-        :meth:`record` meanwhile).  Each ``next()`` is O(CHUNK_BLOCKS) blocks.
+        The kept sources in recorded order; then, for a key held more times
+        than they store it, its source again; then ``BlockRemoved`` events
+        (per scope, at most :data:`REMOVED_PER_EVENT` hashes each) for every
+        store too many.  Each ``next()`` looks at a bounded number of hashes
+        (:data:`CHUNK_WORK`), so a chunk may be empty (the caller skips it).
+        The state must not change until the iterator is exhausted or closed
+        (the caller defers :meth:`record` meanwhile).  O(kept hashes) in all;
+        its memory is O(the stores too many), not O(keys).
         """
-        for items in self._walk():
-            yield _events(items)
-
-    def _walk(self) -> Iterator[list[Any]]:
-        """The chunks as items (see :func:`_events`), in the C walk's format."""
-        live, info = self._live, self._info
-        done: set[tuple[Any, Any, Any]] = set()
-        ghosts: dict[tuple[Any, Any], list[Any]] = {}
         out: list[Any] = []
-        blocks = tokens = 0
-        run: list[Any] | None = None  # [medium, group, source event, last index, hashes]
-        for key in live:
-            if key in done:
-                continue
-            medium, group, h = key
-            path = [h]
-            seen = {h}
-            p = info[h][1]
-            while p is not None and p not in seen and (medium, group, p) not in done:
-                node = info.get(p)
-                if node is None:
-                    break  # a parent the stream never stored: sent as it came
-                path.append(p)
-                seen.add(p)
-                p = node[1]
-            for x in reversed(path):
-                k = (medium, group, x)
-                done.add(k)
-                node = info[x]
-                held = live.get(k)
-                if held is None:
-                    ghosts.setdefault((medium, group), []).append(x)
-                    count, src, i = 1, node[2], node[3]
-                else:
-                    count, src, i = held
-                if (
-                    count == 1
-                    and run is not None
-                    and run[2] is src
-                    and run[3] == i - 1
-                    and run[0] == medium
-                    and run[1] == group
-                    and run[4][-1] == node[1]
-                ):
-                    run[4].append(x)
-                    run[3] = i
-                else:
-                    hashes = [x]
-                    out.append((src, i, hashes, node[1], medium, group, count))
-                    run = [medium, group, src, i, hashes] if count == 1 else None
-                blocks += count
-                tokens += count * len(_tokens(src, i))
-                if blocks >= CHUNK_BLOCKS or tokens >= CHUNK_TOKENS:
-                    yield out
-                    out, blocks, tokens, run = [], 0, 0, None
-        for (medium, group), hashes in ghosts.items():
-            start = 0
-            while start < len(hashes):
-                part = hashes[start : start + CHUNK_BLOCKS - blocks]
-                start += len(part)
-                out.append((medium, group, part))
-                blocks += len(part)
-                if blocks >= CHUNK_BLOCKS:
-                    yield out
-                    out, blocks = [], 0
+        tokens = work = 0
+        for ev in self._program():
+            if type(ev) is int:
+                work += ev
+                if work < CHUNK_WORK:
+                    continue
+            else:
+                out.append(ev)
+                tokens += len(getattr(ev, "token_ids", None) or ())
+                if len(out) < CHUNK_EVENTS and tokens < CHUNK_TOKENS:
+                    continue
+            yield out
+            out, tokens, work = [], 0, 0
         if out:
             yield out
 
+    def _program(self) -> Iterator[Any]:
+        """The program's events, and (ints) the hashes looked at in between.
 
-def _events(items: list[Any]) -> list[Any]:
-    """A chunk's events from its walk items.
+        A key's stores in the program are its own source's (the one naming it)
+        times that source is sent, plus *foreign* ones: other kept sources
+        that store its hash in its scope (counted sparsely here).
+        """
+        live, sources = self._live, self._sources
+        foreign: dict[Scope, Counter[Any]] = {}
+        repeats: dict[int, Counter[Any]] = {}  # a source with a hash twice: its counts
+        for sid, source in sources.items():
+            yield source[EVENT]
+            yield _foreign(live, foreign, sid, source, repeats)
+        again: Counter[int] = Counter()  # sources sent again
+        for scope, table in live.items():
+            mine = foreign.get(scope)
+            for looked, (h, value) in enumerate(table.items(), 1):
+                if not looked % 256:
+                    yield 256
+                count, sid = value & _COUNT, value >> SHIFT
+                per = repeats[sid][h] if sid in repeats else 1
+                while per * (1 + again[sid]) + (mine[h] if mine else 0) < count:
+                    source = sources[sid]
+                    yield source[EVENT]
+                    again[sid] += 1
+                    yield _foreign(live, foreign, sid, source, None)
+                    mine = foreign.get(scope)
+        for scope, keys in _excess(live, sources, foreign, again, repeats).items():
+            medium, group, locality, ownership = scope
+            for i in range(0, len(keys), REMOVED_PER_EVENT):
+                yield BlockRemoved(
+                    block_hashes=keys[i : i + REMOVED_PER_EVENT],
+                    medium=medium,
+                    group_idx=group,
+                    locality=locality,
+                    ownership=ownership,
+                )
 
-    A store item ``(source, first index, hashes, parent, medium, group,
-    count)`` is one chained store rebuilt from those blocks of its source
-    event, ``count`` times; a removal item ``(medium, group, hashes)`` is a
-    ``BlockRemoved``.  O(blocks and tokens of the chunk).
-    """
-    out: list[Any] = []
-    for item in items:
-        if len(item) == 3:
-            medium, group, hashes = item
-            out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
-            continue
-        src, i, hashes, parent, medium, group, count = item
-        ev = _stored(hashes, parent, medium, group, src, i)
-        out.extend([ev] * count)
+
+def _foreign(
+    live: dict[Scope, dict[Any, int]],
+    foreign: dict[Scope, Counter[Any]],
+    sid: int,
+    source: tuple[Any, ...],
+    repeats: dict[int, Counter[Any]] | None,
+) -> int:
+    """Count one sending of ``source``: its stores of keys it does not name go to
+    ``foreign``; a repeated hash, once, to ``repeats``.  Returns the hashes seen."""
+    scope, hashes = source[SCOPE], source[EVENT].block_hashes
+    table = live.get(scope, {})
+    counts = foreign.get(scope)
+    for h in hashes:
+        value = table.get(h)
+        if value is None or value >> SHIFT != sid:
+            if counts is None:
+                counts = foreign[scope] = Counter()
+            counts[h] += 1
+    if repeats is not None and len(hashes) > 1 and len(set(hashes)) < len(hashes):
+        repeats[sid] = Counter(hashes)
+    return len(hashes)
+
+
+def _excess(
+    live: dict[Scope, dict[Any, int]],
+    sources: dict[int, tuple[Any, ...]],
+    foreign: dict[Scope, Counter[Any]],
+    again: Counter[int],
+    repeats: dict[int, Counter[Any]],
+) -> dict[Scope, list[Any]]:
+    """The stores too many, per scope, as hashes to remove (a hash once per store too
+    many).  Only keys with foreign stores, or whose own source was sent again or
+    repeats a hash, can have any.  O(those keys)."""
+    keys: dict[Scope, dict[Any, None]] = {}
+    for scope, counts in foreign.items():
+        keys.setdefault(scope, {}).update(dict.fromkeys(counts))
+    for sid in [*again, *repeats]:
+        source = sources[sid]
+        keys.setdefault(source[SCOPE], {}).update(dict.fromkeys(source[EVENT].block_hashes))
+    out: dict[Scope, list[Any]] = {}
+    for scope, hs in keys.items():
+        table, mine = live.get(scope, {}), foreign.get(scope, Counter())
+        removals: list[Any] = []
+        for h in hs:
+            value = table.get(h)
+            stored = mine[h]
+            if value is not None:
+                sid = value >> SHIFT
+                per = repeats[sid][h] if sid in repeats else 1
+                stored += per * (1 + again[sid]) - (value & _COUNT)
+            if stored > 0:
+                removals.extend([h] * stored)
+        if removals:
+            out[scope] = removals
     return out
 
 
-def _tokens(src: Any, i: int, n: int = 1) -> list[Any]:
-    """The tokens of blocks ``i .. i+n`` of ``src`` (what a store rebuilt from them sends)."""
-    toks = src.token_ids
-    size = src.block_size
-    if not toks or not isinstance(size, int) or size <= 0:
-        return []
-    part = toks[i * size : (i + n) * size]
-    return part if type(part) is list else list(part)
-
-
-def _extra(src: Any, i: int, n: int) -> list[Any] | None:
-    keys = getattr(src, "extra_keys", None)
-    if keys is None:
-        return None
-    return [keys[j] if j < len(keys) else None for j in range(i, i + n)]
-
-
-_OTHER = (
-    "lora_id",
-    "lora_name",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-)
-"""The fields a rebuilt store copies from its source event as they are."""
-_readers: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
-
-
-def _other_fields(src: Any) -> tuple[Any, ...]:
-    """``_OTHER`` of ``src`` (None where its class lacks one).  O(1) once per class."""
-    cls = type(src)
-    read = _readers.get(cls)
-    if read is None:
-        fields = getattr(cls, "__struct_fields__", ())
-        if all(f in fields for f in _OTHER):
-            read = operator.attrgetter(*_OTHER)
-        else:
-
-            def read(ev: Any) -> tuple[Any, ...]:
-                return tuple(getattr(ev, f, None) for f in _OTHER)
-
-        _readers[cls] = read
-    return read(src)
-
-
-def _stored(
-    hashes: list[Any], parent: Any, medium: Any, group: Any, src: Any, i: int
-) -> BlockStored:
-    """A store of ``hashes`` rebuilt from blocks ``i ..`` of the event that stored them."""
-    n = len(hashes)
-    lora_id, lora_name, kind, window, locality, ownership, session = _other_fields(src)
-    return BlockStored(
-        hashes,
-        parent,
-        _tokens(src, i, n),
-        src.block_size,
-        lora_id,
-        medium,
-        lora_name,
-        _extra(src, i, n),
-        group,
-        kind,
-        window,
-        locality,
-        ownership,
-        session,
-    )
-
-
-# -- the C state ---------------------------------------------------------------
-
-_KINDS = {"BlockStored": 1, "BlockRemoved": 2, "AllBlocksCleared": 3, "BlockMoved": 4}
-"""The C state's kinds, by tag (0: any other tag, ignored as the models do)."""
+_KINDS: dict[type, int] = {}
+"""Each event class's kind, by its wire tag, looked up once per class (the C loop
+reads it, and hands an event of a class not in it back to Python)."""
 
 
 def _kind(cls: type) -> int:
-    """The C state's kind of a class, by its msgspec tag.  O(1)."""
     config = getattr(cls, "__struct_config__", None)
     tag = None if config is None else config.tag
-    return _KINDS.get(tag, 0) if isinstance(tag, str) else 0
+    kinds = {
+        "BlockStored": STORED,
+        "BlockRemoved": REMOVED,
+        "AllBlocksCleared": CLEARED,
+        "BlockMoved": MOVED,
+    }
+    return kinds.get(tag, OTHER) if isinstance(tag, str) else OTHER
 
 
-class _CRecorder:
-    """:class:`Recorder`'s interface over the C state (``coalesce._crecord.State``).
-
-    The same state and the same rebuilt stream (tests/test_recorder.py runs
-    both); a value outside the C domain (see the C source's header) makes it
-    unavailable where the Python recorder might have coped, never wrong.
-    :meth:`record` is O(blocks) in C; :meth:`chunks` builds Python objects for
-    the stores only, one per chained run.
-    """
-
-    def __init__(self, max_blocks: int, accel: ModuleType, release_at: int = RELEASE_AT) -> None:
-        self.max_blocks = max_blocks
-        self.release_at = release_at
-        self._state: Any = accel.State()
-        self._register: Any = accel.register
-        for cls in (AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored):
-            self._register(cls, _kind(cls), cls.__struct_fields__)  # first: always readable
-        self._reason = ""
-        self.invalidations = 0
-        self.batches = 0
-        self.events = 0
-
-    @property
-    def valid(self) -> bool:
-        """False while the recorder is unavailable.  O(1)."""
-        return bool(self._state.valid)
-
-    @property
-    def reason(self) -> str:
-        """Why it is unavailable (empty while valid).  O(1)."""
-        return "" if self._state.valid else self._reason
-
-    @property
-    def held(self) -> int:
-        """Keys held right now.  O(1)."""
-        return int(self._state.held)
-
-    @property
-    def retained(self) -> int:
-        """Hashes kept (held somewhere, or the ancestor of a held one).  O(1)."""
-        return int(self._state.retained)
-
-    def record(self, batch: Any, keep_gil: bool = False) -> None:
-        """:meth:`Recorder.record`.  O(blocks); never raises.  The table pass
-        releases the GIL from ``release_at`` hashes on, unless ``keep_gil``."""
-        self.batches += 1
-        try:
-            events = batch.events
-            self.events += len(events)
-            if type(events) is not list:
-                events = list(events)
-            while True:
-                r = self._state.record(events, self.max_blocks, 0 if keep_gil else self.release_at)
-                if type(r) is int:
-                    break
-                if self._register(r, _kind(r), tuple(getattr(r, "__struct_fields__", ()))) is None:
-                    events = self._without_unregistered(events)
-        except Exception as exc:  # a caller's mistake or a class it cannot read
-            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
-            return
-        if r:
-            self.invalidations += 1
-            self._reason = (
-                f"more than snapshot_max_blocks={self.max_blocks} blocks held"
-                if r == 2
-                else "an event it cannot interpret (a value outside the C recorder's domain)"
-            )
-
-    _full: ClassVar[set[type]] = set()
-    """Classes the C table had no room for (it holds 64 per process)."""
-
-    def _without_unregistered(self, events: list[Any]) -> list[Any]:
-        """The events, where the C class table is full: an unregistered class's
-        clear becomes ours, an ignored tag is left out; a store or removal
-        cannot be read, so it raises (and the state is forgotten).  O(events)."""
-        out = []
-        for ev in events:
-            cls = type(ev)
-            fields = tuple(getattr(cls, "__struct_fields__", ()))
-            if cls in self._full or self._register(cls, _kind(cls), fields) is None:
-                self._full.add(cls)
-                kind = _kind(cls)
-                if kind == _KINDS["AllBlocksCleared"]:
-                    ev = AllBlocksCleared()
-                elif kind == 0:
-                    continue
-                else:
-                    raise TypeError("too many event classes for the C recorder")
-            out.append(ev)
-        return out
-
-    def invalidate(self, reason: str) -> None:
-        """Forget everything: unavailable until the next ``AllBlocksCleared``.  O(held)."""
-        if self._state.valid:
-            self.invalidations += 1
-        self._reason = reason
-        self._state.invalidate()
-
-    def state(self) -> dict[tuple[Any, Any, Any], int]:
-        """The held keys and their counts (the ``refcount`` model's state).  O(keys)."""
-        return dict(self._state.state())
-
-    def check(self) -> None:
-        """Assert the invariants (tests call it after each batch).  O(keys + hashes)."""
-        self._state.check()
-
-    def chunks(self) -> Generator[list[Any], None, None]:
-        """:meth:`Recorder.chunks`; the walk ends when it is exhausted or closed."""
-        st = self._state
-        st.walk_start()
-        try:
-            while True:
-                items = st.walk_next(CHUNK_BLOCKS, CHUNK_TOKENS)
-                if items is None:
-                    return
-                yield _events(items)
-        finally:
-            st.walk_end()
+def _count(emitted: dict[Scope, Counter[Any]], source: tuple[Any, ...]) -> None:
+    counts = emitted.get(source[SCOPE])
+    if counts is None:
+        counts = emitted[source[SCOPE]] = Counter()
+    counts.update(source[EVENT].block_hashes)
 
 
-AnyRecorder: TypeAlias = "Recorder | _CRecorder"
+_SCOPE_FIELDS = ("medium", "group_idx", "locality", "ownership")
+_scope_getters: dict[type, Callable[[Any], Scope]] = {}
 
 
-def new_recorder(
-    max_blocks: int, *, accelerated: bool | None = None, release_at: int = RELEASE_AT
-) -> AnyRecorder:
-    """The C recorder when it is built (and not disabled), else the Python one.
+def _scope_of(ev: Any) -> Scope:
+    """``(medium, group_idx, locality, ownership)`` of a store or removal (None where its
+    class lacks a field).  O(1); the reader is made once per class."""
+    cls = type(ev)
+    read = _scope_getters.get(cls)
+    if read is None:
+        fields = getattr(cls, "__struct_fields__", ())
+        if all(f in fields for f in _SCOPE_FIELDS):
+            read = operator.attrgetter(*_SCOPE_FIELDS)
+        else:
 
-    ``accelerated=True`` requires the C one (ImportError without it);
-    ``False`` forces the Python one.  ``release_at``: the C recorder updates
-    its tables with the GIL released for a batch of at least that many block
-    hashes (0: never); the Python one ignores it.
-    """
-    if accelerated is False or (accelerated is None and _accel is None):
-        return Recorder(max_blocks)
-    if _accel is None:
-        raise ImportError("coalesce._crecord is not built")
-    return _CRecorder(max_blocks, _accel, release_at)
+            def read(ev: Any) -> Scope:
+                return (
+                    getattr(ev, "medium", None),
+                    getattr(ev, "group_idx", None),
+                    getattr(ev, "locality", None),
+                    getattr(ev, "ownership", None),
+                )
+
+        _scope_getters[cls] = read
+    return read(ev)
+
+
+def _moved_store(ev: Any) -> BlockStored:
+    """The store a ``BlockMoved`` makes in ``to_medium`` (what its program replays)."""
+    return BlockStored(
+        block_hashes=ev.block_hashes,
+        parent_block_hash=ev.parent_block_hash,
+        token_ids=ev.token_ids,
+        block_size=ev.block_size,
+        lora_id=ev.lora_id,
+        medium=ev.to_medium,
+        lora_name=ev.lora_name,
+        extra_keys=ev.extra_keys,
+        group_idx=ev.group_idx,
+        kv_cache_spec_kind=ev.kv_cache_spec_kind,
+        kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
+        locality=ev.locality,
+        ownership=ev.ownership,
+        session_id=ev.session_id,
+        lookahead_token_ids=ev.lookahead_token_ids,
+    )

@@ -100,7 +100,8 @@ class Sender:
         publisher_id: bytes | None = None,
     ) -> None:
         self._rank = rank
-        self._encoder = Encoder(publisher_id)
+        self._encoder = Encoder()
+        self._seq_tail = publisher_id or b""
         self._stream = Stream.of_rank(
             None,
             topic,
@@ -321,9 +322,8 @@ class Sender:
                 self._lost(item)
                 return
             assert isinstance(item, tuple)
-            near = self._keeps_gil()  # once taken, as a whole send decides
             self._send_taken(item[0], item[1])
-            self._record_sent([item[0]], near)
+            self._record_sent([item[0]])
             return
         step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
         rules = level == Level.RULES and self._payoff.rules_next()
@@ -337,8 +337,7 @@ class Sender:
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
-        near = self._keeps_gil()  # once taken, as a whole send decides
-        self._record_sent(self._send_object_window(window, level, step, rules), near)
+        self._record_sent(self._send_object_window(window, level, step, rules))
         self.done += len(window)
         self._in_flight = (0, 0)
 
@@ -353,22 +352,13 @@ class Sender:
         if self._backlog.pending > self._settings.high_watermark:
             self._backlog.stage()
 
-    def _keeps_gil(self) -> bool:
-        """Whether the recorder keeps the GIL for what is sent (or refused) now:
-        snapshots on and :func:`sends_whole`.  Handing it over there let the
-        engine publish between the sender's turns faster than they drained.
-        O(1)."""
-        return self._record is not None and self._sends_whole()
-
-    def _record_sent(self, batches: list[Any], keep_gil: bool) -> None:
-        """The recorder (if snapshots are on) sees ``batches``, just sent, with the
-        GIL kept throughout if ``keep_gil`` (:meth:`_keeps_gil` when they were
-        taken).  O(hashes)."""
+    def _record_sent(self, batches: list[Any]) -> None:
+        """The recorder (if snapshots are on) sees ``batches``, just sent.  O(hashes)."""
         record = self._record
         if record is None:
             return
         for b in batches:
-            record(b, keep_gil)
+            record(b)
 
     def _send_object_window(
         self, window: list[Any], level: Level, step: int, rules: bool
@@ -514,9 +504,8 @@ class Sender:
         self._stream.lose()
         snapshot = self.snapshot
         if snapshot is not None:
-            keep_gil = self._keeps_gil()  # as _record_sent: a loss is at the budget
             for b in marker.refused or ():
-                snapshot.record(b, keep_gil)
+                snapshot.record(b)
             if marker.overflow:
                 snapshot.invalidate("more batches refused than the record bound keeps")
             if (
@@ -526,17 +515,17 @@ class Sender:
                 snapshot.start_resync()  # (not while it is inexact, or a reply is built)
 
     def _resync_step(self, snapshot: SnapshotService) -> None:
-        """Send the next chunk of an in-band resync: the recorder's state after a loss
-        marker, a chunk (at most CHUNK_BLOCKS blocks) a step, before any later batch.
-        One cut short (shutdown, or a recorded event that does not rebuild) may have
-        sent an ancestor the state does not hold: another marker follows it."""
+        """Send the next chunk of an in-band resync: the recorder's program after a
+        loss marker, a chunk a step, before any later batch.  One cut short
+        (shutdown, or an event that does not encode) may have sent stores the
+        state does not hold: another marker follows it."""
         if self.closed:
             snapshot.abandon_resync()
             self._stream.lose()
             return
         try:
             chunk = snapshot.resync_chunk()
-            payload = None if chunk is None else self._encoder.encode_now(chunk, self._rank)
+            payload = self._encoder.encode_now(chunk, self._rank) if chunk else None
         except Exception as exc:
             snapshot.abandon_resync()
             self._stream.lose()
@@ -548,9 +537,11 @@ class Sender:
                 self.loss_told,
             )
             return
-        if chunk is None or payload is None:
+        if chunk is None:
             self.totals.resyncs += 1
             return
+        if payload is None:
+            return  # a step spent walking the recorder's keys
         self._emit(payload, len(chunk))
         self.totals.resync_events += len(chunk)
 
@@ -584,7 +575,7 @@ class Sender:
     def _use_pub(self, pub: zmq.Socket[bytes]) -> None:
         """Send on ``pub`` from now on (the native send where it can: _wire)."""
         self._pub = pub
-        self._send_message = message_sender(pub)
+        self._send_message = message_sender(pub, self._seq_tail)
         self._native_send = is_native(self._send_message)
         self._stream.use(self._send_message)
 

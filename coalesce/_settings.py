@@ -48,6 +48,10 @@ class PublisherConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    snapshot_endpoint: str | None = None
+    """The bound snapshot ROUTER (vLLM PR #57789's field), None with snapshots off."""
+    snapshot_max_blocks: int = 1_000_000
+    snapshot_max_response_bytes: int = 256 * 1024 * 1024
 
 
 def _positive_int(raw: Any) -> int:
@@ -138,11 +142,11 @@ class Settings:
     snapshot_endpoint: str | None = _knob(None, _endpoint)
     """Opt-in state snapshots (vLLM PR #57789's protocol): the ROUTER endpoint that
     answers ``b"snapshot"`` (bound; offset per DP rank like the others).  When set,
-    payloads carry a 16-byte ``publisher_id`` as a 4th element and an idle publisher
-    sends an empty batch every second; unset, the wire is vLLM 0.33's."""
+    every live seq frame is 24 bytes (the seq, then a 16-byte ``publisher_id``) and an
+    idle publisher sends an empty batch every second; unset, the wire is vLLM 0.33's."""
     snapshot_max_blocks: int = _knob(1_000_000, _positive_int)
-    """Blocks the snapshot recorder holds (keys, and hashes kept as ancestors) before
-    it declares itself unavailable until the next ``AllBlocksCleared``."""
+    """References the snapshot recorder holds, and blocks in the store events it keeps
+    for the replay program, before it declares itself unavailable."""
     snapshot_max_response_bytes: int = _knob(256 * 1024 * 1024, _positive_int)
     """Bytes of chunks one snapshot reply may hold; a larger one is answered -2."""
 

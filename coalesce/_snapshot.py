@@ -4,8 +4,8 @@ Request: one frame ``b"snapshot"`` (from a DEALER; a REQ's empty delimiter
 is kept and echoed).  Reply: one multipart message ``[seq, publisher_id,
 chunk...]`` where ``seq`` is 8 signed big-endian bytes naming the last
 message the snapshot covers (-1: nothing sent yet; -2: unavailable) and each
-chunk is one encoded batch ``[ts, events, data_parallel_rank, publisher_id]``
-of rebuilt stores (:func:`coalesce._recorder.new_recorder`: C when built).
+chunk is one encoded batch ``[ts, events, data_parallel_rank]`` of the
+recorder's replay program (:class:`coalesce._recorder.Recorder`).
 
 The sender thread owns it and calls :meth:`SnapshotService.step` from its
 loop.  A reply is built a chunk per step (bounded work), while live sending
@@ -15,7 +15,7 @@ Requests that arrive while a reply is being built wait for the next one,
 which starts from the newer state.  Nothing here touches ``publish()``.
 
 With ``loss_marker="resync"`` the same recorder also feeds an *in-band
-resync*: after a loss marker, the sender sends the recorder's state on the
+resync*: after a loss marker, the sender sends the recorder's program on the
 live socket, a chunk per step (:meth:`SnapshotService.start_resync`,
 :meth:`SnapshotService.resync_chunk`), before any later batch; the recorder
 is frozen meanwhile, as for a reply.  Without a snapshot endpoint the service
@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any, ClassVar
 
 import zmq
 
-from coalesce._recorder import AnyRecorder, new_recorder
+from coalesce._recorder import Recorder
 from coalesce._settings import Settings
 from coalesce._wire import Encoder, read_requests
 
@@ -73,7 +72,7 @@ class SnapshotService:
     def __init__(
         self,
         sock: zmq.Socket[bytes] | None,
-        recorder: AnyRecorder,
+        recorder: Recorder,
         publisher_id: bytes | None,
         rank: int,
         *,
@@ -83,7 +82,7 @@ class SnapshotService:
     ) -> None:
         self._sock = sock
         self.recorder = recorder
-        self._encoder = Encoder(publisher_id)
+        self._encoder = Encoder()
         self._id = publisher_id
         self._rank = rank
         self._max_bytes = max_response_bytes
@@ -114,7 +113,7 @@ class SnapshotService:
         """The service, with a new recorder, sized by the publisher's knobs."""
         return cls(
             sock,
-            new_recorder(settings.snapshot_max_blocks),
+            Recorder(settings.snapshot_max_blocks),
             publisher_id,
             rank,
             max_response_bytes=settings.snapshot_max_response_bytes,
@@ -146,17 +145,15 @@ class SnapshotService:
 
     # -- the feed ----------------------------------------------------------------
 
-    def record(self, batch: Any, keep_gil: bool = False) -> None:
+    def record(self, batch: Any) -> None:
         """Give the recorder one batch (published, sent or lost), in publish order.
 
         O(hashes); deferred (O(1)) while a reply is being built.  Past
         ``max_deferred_events`` waiting the reply is abandoned (its clients get
         ``-2`` and ask again) so that the deferred list stays bounded.
-        ``keep_gil``: the C recorder holds the GIL throughout (the sender asks
-        for it near the event budget, where the engine must go at its pace).
         """
         if self._round is None and self._resync is None:
-            self._record(batch, keep_gil)
+            self._record(batch)
             return
         self._deferred.append(batch)
         with contextlib.suppress(Exception):  # the recorder will find it out
@@ -174,8 +171,8 @@ class SnapshotService:
         self.recorder.invalidate(reason)
         self._say()
 
-    def _record(self, batch: Any, keep_gil: bool = False) -> None:
-        self.recorder.record(batch, keep_gil)
+    def _record(self, batch: Any) -> None:
+        self.recorder.record(batch)
         if self.recorder.valid != self._was_valid:
             self._say()
 
@@ -186,7 +183,8 @@ class SnapshotService:
             log.info("kv-coalesce: the snapshot recorder is exact again (after a clear)")
         else:
             log.warning(
-                "kv-coalesce: snapshots unavailable (%s) until the next AllBlocksCleared",
+                "kv-coalesce: snapshots unavailable (%s): until the next AllBlocksCleared "
+                "if only the GPU tier was ever stored, else for this publisher's life",
                 rec.reason,
             )
 
@@ -213,9 +211,7 @@ class SnapshotService:
         return True
 
     def resync_chunk(self) -> list[Any] | None:
-        """The resync's next chunk of events (stores, parents first; then removals
-        of ancestors no key holds), or None once it has ended.  O(chunk).  Raises
-        (the resync then ended) when a recorded event does not rebuild."""
+        """The resync's next chunk of the program, or None once it has ended.  O(chunk)."""
         walk = self._resync
         assert walk is not None
         try:
@@ -259,16 +255,18 @@ class SnapshotService:
             return True
         try:
             chunk = next(rnd.chunks, None)
-            if chunk is not None:
-                payload = self._encoder.encode_with_id(time.time(), chunk, self._rank)
-        except Exception as exc:  # a recorded value it cannot rebuild, or msgspec encode
-            why = f"a recorded event does not rebuild or encode ({type(exc).__name__})"
+            # (empty: the end, or a step spent walking keys: nothing to send)
+            payload = self._encoder.encode_now(chunk, self._rank) if chunk else b""
+        except Exception as exc:  # a recorded event msgspec cannot encode
+            why = f"a recorded event does not encode ({type(exc).__name__})"
             self._finish(UNAVAILABLE, why)
             self.recorder.invalidate(f"{why}: {exc!s:.200}")
             self._say()
             return True
         if chunk is None:
             self._finish(rnd.seq, "")
+            return True
+        if not payload:
             return True
         rnd.frames.append(payload)
         rnd.size += len(payload)

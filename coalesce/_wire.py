@@ -45,36 +45,20 @@ END_SEQ = b"\xff" * 8
 
 
 class Encoder:
-    """msgspec msgpack encoding of any ``EventBatch``-like struct.  O(events), in C.
+    """msgspec msgpack encoding of any ``EventBatch``-like struct.  O(events), in C."""
 
-    With a ``publisher_id`` (snapshots on), each payload is
-    ``[ts, events, data_parallel_rank, publisher_id]``: the batch's fields,
-    encoded exactly as the struct encodes them, and the id as msgpack bin.
-    """
-
-    def __init__(self, publisher_id: bytes | None = None) -> None:
+    def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder()
-        self._id = publisher_id
 
     def encode(self, batch: Any) -> bytes:
         """Encode one batch.  Raises whatever msgspec raises for an unencodable value."""
-        if self._id is None:
-            return self._enc.encode(batch)
-        return self.encode_with_id(batch.ts, batch.events, batch.data_parallel_rank)
+        return self._enc.encode(batch)
 
     def encode_now(self, events: list[Any], rank: int | None) -> bytes:
-        """A batch of ``events`` stamped now: a heartbeat (no events), a loss marker."""
-        if self._id is None:
-            batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank)
-            return self._enc.encode(batch)
-        return self.encode_with_id(time.time(), events, rank)
-
-    def encode_with_id(self, ts: float, events: list[Any], rank: int | None) -> bytes:
-        """``[ts, events, rank, publisher_id]`` without building a batch (a snapshot
-        chunk).  Only with a ``publisher_id``."""
-        if self._id is None:
-            raise ValueError("encode_with_id needs an Encoder with a publisher_id")
-        return self._enc.encode((ts, events, rank, self._id))
+        """A batch of ``events`` stamped now: a heartbeat (no events), a loss marker,
+        a snapshot chunk (the events may be of any classes that encode alike)."""
+        batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank)
+        return self._enc.encode(batch)
 
 
 @dataclass(slots=True)
@@ -149,12 +133,14 @@ def _attach(sock: zmq.Socket[bytes], endpoint: str, *, bind: bool) -> str:
     return endpoint
 
 
-def send_message(sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes) -> None:
+def send_message(
+    sock: zmq.Socket[bytes], topic: bytes, seq: int, payload: bytes, tail: bytes = b""
+) -> None:
     """Send one 3-frame message on a PUB socket through pyzmq.  Never blocks: PUB
     drops at its HWM.  pyzmq releases the GIL for each frame (see
-    :func:`message_sender`)."""
+    :func:`message_sender`).  ``tail`` follows the 8 seq bytes in their frame."""
     sock.send(topic, _MORE)
-    sock.send(seq.to_bytes(8, "big"), _MORE)
+    sock.send(seq.to_bytes(8, "big") + tail, _MORE)
     sock.send(payload)
 
 
@@ -162,8 +148,12 @@ SendMessage = Callable[[bytes, int, bytes], None]
 """``send(topic, seq, payload)``: one 3-frame message on one PUB socket."""
 
 
-def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
+def message_sender(sock: zmq.Socket[bytes], tail: bytes = b"") -> SendMessage:
     """How to send on this PUB socket: without releasing the GIL where possible.  O(1).
+
+    ``tail`` (at most 16 bytes) follows the 8 seq bytes in the seq frame: the
+    ``publisher_id`` of a stream with snapshots on (vLLM PR #57789's 24-byte
+    seq frame).
 
     pyzmq releases the GIL around every frame it sends; a waiting engine
     thread takes it each time, and the sender thread then waits for it
@@ -190,11 +180,19 @@ def message_sender(sock: zmq.Socket[bytes]) -> SendMessage:
                 if err:
                     raise zmq.ZMQError(err)
 
-            _NATIVE_SENDS.add(send_native)
-            return send_native
+            def send_native_tail(topic: bytes, seq: int, payload: bytes) -> None:
+                if sock.closed:
+                    raise zmq.ZMQError(zmq.ENOTSOCK)
+                err = send(handle, topic, seq, payload, tail)
+                if err:
+                    raise zmq.ZMQError(err)
+
+            chosen = send_native_tail if tail else send_native
+            _NATIVE_SENDS.add(chosen)
+            return chosen
 
     def send_pyzmq(topic: bytes, seq: int, payload: bytes) -> None:
-        send_message(sock, topic, seq, payload)
+        send_message(sock, topic, seq, payload, tail)
 
     return send_pyzmq
 

@@ -26,7 +26,7 @@ import time
 import uuid
 import warnings
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import msgspec
@@ -76,15 +76,17 @@ def _log_start(
     )
     if snapshot is not None and pid is not None:
         log.info(
-            "kv-coalesce: snapshots on %s (bound), publisher_id %s: payloads carry it as a "
-            "4th element, and an idle publisher sends an empty batch every second",
+            "kv-coalesce: snapshots on %s (bound), publisher_id %s: every live seq frame "
+            "carries it after the seq (24 bytes), and an idle publisher sends an empty "
+            "batch every second",
             snapshot,
             pid.hex(),
         )
         log.warning(
-            "kv-coalesce: with snapshots on, every payload has 4 elements: NVIDIA Dynamo's "
-            "indexer (1.6.1) rejects such batches and indexes nothing, and llm-d-router "
-            "(main, or with PR #2946) was not checked against them; vLLM's decoder and "
+            "kv-coalesce: with snapshots on, live seq frames are 24 bytes (vLLM PR #57789): "
+            "NVIDIA Dynamo's indexer (1.6.1 and earlier) rejects every message, and vLLM's "
+            "example subscriber reads all 24 bytes as the seq (a gap at every message); "
+            "llm-d-router (it reads the first 8 bytes), vLLM's decoder and "
             "coalesce.subscriber read them (docs/subscribers.md)"
         )
     log.info(
@@ -217,6 +219,9 @@ class CoalescingPublisher:
             hwm=hwm,
             max_queue_size=max_queue_size,
             topic=topic,
+            snapshot_endpoint=snap_ep,
+            snapshot_max_blocks=st.snapshot_max_blocks,
+            snapshot_max_response_bytes=st.snapshot_max_response_bytes,
         )
         # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
         batch_budget = max_queue_size or sys.maxsize
@@ -355,16 +360,18 @@ class CoalescingPublisher:
         """The resolved configuration (endpoints offset for this rank).
 
         Inside vLLM (``vllm`` already imported) this is vLLM's
-        ``KVEventsConfig``, as its scheduler expects; otherwise :attr:`config`.
+        ``KVEventsConfig``, as its scheduler expects, with the fields that vLLM
+        version declares (``snapshot_endpoint`` where it has PR #57789's);
+        otherwise :attr:`config`, which always has the snapshot fields.
         """
         if "vllm" in sys.modules:
             try:
                 from vllm.config.kv_events import KVEventsConfig
             except ImportError:
                 return self.config
-            return KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", **asdict(self.config)
-            )
+            known = {f.name for f in fields(KVEventsConfig)}
+            mine = {k: v for k, v in asdict(self.config).items() if k in known}
+            return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **mine)
         return self.config
 
     def flush(self, timeout: float = 1.0) -> bool:

@@ -95,13 +95,13 @@ def _unsupported(keywords: dict[str, Any]) -> str | None:
     if st.snapshot_endpoint is not None:
         return (
             "snapshot_endpoint (COALESCE_SNAPSHOT_ENDPOINT) is not available for SGLang: "
-            "snapshots are rebuilt as vLLM's BlockStored, which has no cache_salt, and "
-            "SGLang's own snapshot protocol (PR #34407) is not merged"
+            "snapshots speak vLLM PR #57789's dialect, and SGLang's own snapshot protocol "
+            "(PR #34407) differs and is not merged"
         )
     if st.loss_marker == "resync":
         return (
-            "loss_marker=resync is not available for SGLang: a resync is rebuilt as "
-            "vLLM's BlockStored, which has no cache_salt; use clear (the default)"
+            "loss_marker=resync is not available for SGLang: resyncs have not been run "
+            "against SGLang's consumers; use clear (the default)"
         )
     if st.move_events:
         return "move_events is not available for SGLang: its consumers do not know BlockMoved"

@@ -34,8 +34,9 @@ With a snapshot endpoint (the publisher's ``snapshot_endpoint``, vLLM PR
 cannot fill start a *bootstrap* instead: the subscriber asks for a snapshot,
 builds a new index from it, takes its seq as the last one applied, and goes
 on with the messages after it (those it covers are ignored; live messages
-wait in the SUB socket meanwhile).  Payloads then carry the publisher's
-16-byte ``publisher_id``: a message with another id is a restart.  If the
+wait in the SUB socket meanwhile).  Live seq frames then carry the
+publisher's 16-byte ``publisher_id`` after the seq (24 bytes in all): a
+message with another id is a restart.  If the
 snapshot is unavailable (-2), not yet possible (-1) or does not come, the
 rules above apply.  A batch holding ``AllBlocksCleared`` (the engine's own
 reset, or a publisher's loss marker: ``loss_marker="clear"``) is applied and
@@ -189,7 +190,7 @@ def decode_batch(payload: bytes) -> tuple[float, list[msgspec.Struct], int | Non
     """Decode one payload: ``(ts, known events, data_parallel_rank, unknown count)``.
 
     Raises ``ValueError`` if the payload is not msgpack, not a 2- to 4-element
-    batch array (a 4th, the ``publisher_id``, is ignored here) with a number
+    batch array (elements past the 3rd are ignored) with a number
     ``ts`` and an int or nil rank, or if a known event does not validate.  An
     event with an unknown tag is skipped and counted.  The events are full
     :mod:`coalesce.events` structs (every field is built); the subscriber
@@ -201,7 +202,7 @@ def decode_batch(payload: bytes) -> tuple[float, list[msgspec.Struct], int | Non
         raise ValueError(f"not msgpack: {exc}") from None
     if not isinstance(raw, list) or len(raw) not in (2, 3, 4) or not isinstance(raw[1], list):
         raise ValueError("not an event batch: expected [ts, events, data_parallel_rank]")
-    ts, rank = raw[0], raw[2] if len(raw) == 3 else None
+    ts, rank = raw[0], raw[2] if len(raw) >= 3 else None
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise ValueError(f"not an event batch: ts is {type(ts).__name__}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
@@ -228,11 +229,9 @@ def _decode_for_index(payload: bytes) -> tuple[float, list[IndexEvent], int | No
     return ts, [_index_view(ev) for ev in events], rank, unknown
 
 
-def publisher_id(payload: bytes) -> bytes | None:
-    """The 16-byte ``publisher_id`` of a 4-element payload (snapshots on), else None.  O(1)."""
-    if payload[:1] == b"\x94" and payload[-18:-16] == b"\xc4\x10":
-        return payload[-16:]
-    return None
+def publisher_id(seq_frame: bytes) -> bytes | None:
+    """The 16-byte ``publisher_id`` of a 24-byte seq frame (snapshots on), else None.  O(1)."""
+    return seq_frame[8:] if len(seq_frame) == 24 else None
 
 
 @dataclass
@@ -372,12 +371,12 @@ class Subscriber:
         return handled
 
     def _on_message(self, src: Source, frames: list[bytes]) -> int:
-        if len(frames) != 3 or len(frames[1]) != 8:
+        if len(frames) != 3 or len(frames[1]) not in (8, 24):
             src.bad_messages += 1
             return 0
-        seq = int.from_bytes(frames[1], "big")
+        seq = int.from_bytes(frames[1][:8], "big")
         payload = frames[2]
-        pid = publisher_id(payload)
+        pid = publisher_id(frames[1])
         last = src.last_seq
         if last is not None and pid != src.publisher_id:
             src.restarts += 1  # another publisher_id: the publisher restarted

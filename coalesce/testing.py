@@ -16,20 +16,18 @@ from typing import Any
 from coalesce import _policy, compactor
 from coalesce._payoff import Payoff
 from coalesce._policy import folding_pays
-from coalesce._recorder import RELEASE_AT, AnyRecorder, new_recorder
+from coalesce._recorder import Recorder
 from coalesce._sender import IDLE_POLL
 from coalesce._wire import Encoder
 
 __all__ = [
     "IDLE_POLL",
     "POLICY",
-    "RELEASE_AT",
-    "AnyRecorder",
     "Encoder",
     "Payoff",
+    "Recorder",
     "folding_pays",
     "held",
-    "new_recorder",
     "policy",
     "tap_sends",
     "without_accelerator",

@@ -73,7 +73,10 @@ def config_table() -> str:
     (keyword or ``COALESCE_*`` variable), with defaults from the code."""
     rows = ["| setting | set by | default | what it does |", "|---|---|---|---|"]
     vllm_defaults = PublisherConfig()
+    knobs = {f.name for f in fields(Settings)}
     for f in fields(PublisherConfig):
+        if f.name in knobs:
+            continue  # (snapshot fields: listed with this project's knobs below)
         rows.append(
             f"| `{f.name}` | vLLM's `kv_events_config` | "
             f"{_shown(getattr(vllm_defaults, f.name))} | {_VLLM_FIELDS[f.name]} |"

@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "slow" in item.keywords:
             item.add_marker(skip)
 
+
 END = b"\xff" * 8
 _names = itertools.count()
 
@@ -76,13 +77,16 @@ class Sub:
         self.sock.connect(endpoint)
         self.replay_endpoint = replay
         self.messages: list[tuple[bytes, int, bytes]] = []
+        self.seq_frames: list[bytes] = []
+        """Each live message's seq frame as it came (24 bytes with snapshots on)."""
 
     def recv(self, timeout: float = 10.0) -> tuple[bytes, int, bytes]:
         if not self.sock.poll(int(timeout * 1000)):
             raise AssertionError(f"no message within {timeout}s")
         frames = self.sock.recv_multipart()
-        assert len(frames) == 3, frames
-        msg = (frames[0], int.from_bytes(frames[1], "big"), frames[2])
+        assert len(frames) == 3 and len(frames[1]) in (8, 24), frames
+        msg = (frames[0], int.from_bytes(frames[1][:8], "big"), frames[2])
+        self.seq_frames.append(frames[1])
         self.messages.append(msg)
         return msg
 
@@ -142,8 +146,6 @@ def made() -> Iterator[list[Any]]:
     yield pubs
     for p in pubs:
         p.shutdown()
-
-
 
 
 @contextmanager

@@ -212,46 +212,20 @@ def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, monkey
     assert st.events_sent < st.events_in
 
 
-def spy_on_the_recorder(monkeypatch: Any) -> list[tuple[int, bool]]:
-    """Every C recorder's record() call from now on, as (events, keep_gil); each
-    still records (the real method is called).  Skips without the C recorder."""
+def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
+    """The recorder is given what the budget refused, at its loss marker, between
+    what was sent before it and after it."""
     import coalesce._recorder as recorder
 
-    if recorder._accel is None:
-        pytest.skip("the C recorder is not built")
-    kept: list[tuple[int, bool]] = []
-    real = recorder._CRecorder.record
+    seen: list[int] = []
+    real = recorder.Recorder.record
 
-    def spy(self: Any, batch: Any, keep_gil: bool = False) -> None:
-        kept.append((len(batch.events), keep_gil))
-        real(self, batch, keep_gil)
+    def spy(self: Any, batch: Any) -> None:
+        seen.append(len(batch.events))
+        real(self, batch)
 
-    monkeypatch.setattr(recorder._CRecorder, "record", spy)
-    return kept
-
-
-@pytest.mark.parametrize("near_budget", [True, False])
-def test_near_its_budget_the_recorder_keeps_the_gil(pubs, make_sub, monkeypatch, near_budget):
-    """With snapshots on, what a whole send sent is recorded with the GIL kept (the
-    C recorder's ``keep_gil``), and only there: the engine waits for both."""
-    kept = spy_on_the_recorder(monkeypatch)
-    batches, _, _ = run_at_the_edge(
-        pubs, make_sub, monkeypatch, near_budget, snapshot_endpoint=inproc("snap")
-    )
-    first = len(batches[0].events) + len(batches[1].events)
-    if near_budget:  # the two folded, recorded as one with the GIL kept; later not
-        assert kept[0] == (first, True) and not any(k for _, k in kept[1:])
-    else:
-        assert kept and not any(k for _, k in kept)
-
-
-@pytest.mark.parametrize("near_budget", [True, False])
-def test_a_refused_batch_is_recorded_as_a_whole_send_would_be(pubs, monkeypatch, near_budget):
-    """The recorder is given what the budget refused at the loss marker: with the
-    GIL kept while more than ``WHOLE_FROM`` of the budget is pending after it."""
-    kept = spy_on_the_recorder(monkeypatch)
-    first, refused = chain(1000, 60), chain(2000, 640)  # 90 and 960 events
-    after = chain(5000, 370 if near_budget else 200)  # 555 or 300: fits
+    monkeypatch.setattr(recorder.Recorder, "record", spy)
+    first, refused, after = chain(1000, 60), chain(2000, 640), chain(5000, 200)
     p = pubs(endpoint=inproc("pub"), max_pending_events=1000, snapshot_endpoint=inproc("snap"))
     with held(p):
         assert p.publish(first) is PublishOutcome.QUEUED
@@ -259,8 +233,9 @@ def test_a_refused_batch_is_recorded_as_a_whole_send_would_be(pubs, monkeypatch,
         assert p.publish(after) is PublishOutcome.QUEUED
     assert p.flush(10)
     assert p.stats().batches_dropped == 1
-    assert (len(refused.events), near_budget) in kept
-    assert (len(refused.events), not near_budget) not in kept
+    assert seen[: seen.index(len(refused.events))] == [len(first.events)]
+    assert sum(seen) == len(first.events) + len(refused.events) + len(after.events)
+    assert p.stats().snapshot_exact
 
 
 def test_sends_whole_past_its_share_of_the_budget_growing_or_not():

@@ -1,8 +1,7 @@
-"""The snapshot recorder alone: its state and its rebuilt stream against the reference models.
+"""The snapshot recorder alone: its state and its replay program against the reference models.
 
-Every test runs against both recorders: the pure-Python one (the oracle) and
-the C one (coalesce/_crecord.c), when it is built; tests/test_crecord.py
-checks the two against each other on wider streams.
+Every test runs with the recorder's loop in Python (the oracle) and in C
+(coalesce/_crecord.c) where it is built; one compares the two states whole.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coalesce import _recorder, compact
-from coalesce._recorder import CHUNK_BLOCKS, AnyRecorder, new_recorder
-from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from coalesce._recorder import CHUNK_EVENTS, MAX_ID, NEXT, REMOVED_PER_EVENT, Recorder
+from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
 from coalesce.refmodel import SubscriberModel
 from tests.streams import (
     BLOCK,
@@ -30,28 +29,27 @@ from tests.streams import (
     parent_of,
 )
 
-# "c" updates its tables with the GIL held, "c-nogil" with it released (every batch)
-IMPLS = ["py", "c", "c-nogil"] if _recorder._accel is not None else ["py"]
-_current: dict[str, Any] = {"accelerated": False, "release_at": 0}
+IMPLS = ["py", "c"] if _recorder._accel is not None else ["py"]
+_current = {"accelerated": False}
 
 
 @pytest.fixture(params=IMPLS, autouse=True)
 def impl(request: Any) -> Any:
-    """Run the test with each recorder (``_record`` and ``_new`` use it)."""
-    _current["accelerated"] = request.param != "py"
-    _current["release_at"] = 1 if request.param == "c-nogil" else 0
-    yield "c" if request.param == "c-nogil" else request.param
+    """Run the test with each loop (``_new`` reads it)."""
+    _current["accelerated"] = request.param == "c"
+    yield request.param
     _current["accelerated"] = False
-    _current["release_at"] = 0
 
 
-def _new(max_blocks: int = 10_000) -> AnyRecorder:
-    return new_recorder(
-        max_blocks, accelerated=_current["accelerated"], release_at=_current["release_at"]
-    )
+def _new(max_blocks: int = 10_000) -> Recorder:
+    return Recorder(max_blocks, accelerated=_current["accelerated"])
 
 
-def _snapshot_events(rec: AnyRecorder) -> list[Any]:
+def _model(mode: Any) -> SubscriberModel:
+    return SubscriberModel(mode)
+
+
+def _snapshot_events(rec: Recorder) -> list[Any]:
     return [ev for chunk in rec.chunks() for ev in chunk]
 
 
@@ -61,7 +59,7 @@ def _apply(model: SubscriberModel, events: list[Any]) -> SubscriberModel:
     return model
 
 
-def _record(batches: list[Any], max_blocks: int = 10_000) -> AnyRecorder:
+def _record(batches: list[Any], max_blocks: int = 10_000) -> Recorder:
     rec = _new(max_blocks)
     for b in batches:
         rec.record(b)
@@ -71,12 +69,12 @@ def _record(batches: list[Any], max_blocks: int = 10_000) -> AnyRecorder:
 
 def _closed(batches: list[Any]) -> bool:
     """No store in the stream had a parent missing from its medium and group."""
-    return SubscriberModel("dynamo").apply_batches(batches).dropped_stores == 0
+    return _model("dynamo").apply_batches(batches).dropped_stores == 0
 
 
 def _closed_only(batches: list[Any]) -> list[Any]:
     """The stream without the stores Dynamo's rule would drop: what vLLM emits."""
-    model, out = SubscriberModel("dynamo"), []
+    model, out = _model("dynamo"), []
     for b in batches:
         kept = []
         for ev in b.events:
@@ -92,7 +90,7 @@ def _closed_only(batches: list[Any]) -> list[Any]:
 def chained_streams(draw: Any) -> list[Any]:
     """Streams as vLLM emits them: every store's parent is held in its medium and group;
     removals (of parents too) and clears at random."""
-    model, batches = SubscriberModel("dynamo"), []
+    model, batches = _model("dynamo"), []
     for t in range(draw(st.integers(0, 30))):
         kind = draw(st.sampled_from(("store", "store", "store", "remove", "remove", "clear")))
         m, g = draw(st.sampled_from(MEDIA)), draw(GROUP_CHOICE)
@@ -128,35 +126,34 @@ def chained_streams(draw: Any) -> list[Any]:
 
 @settings(max_examples=400, deadline=None)
 @given(st.one_of(chained_streams(), batch_lists().map(_closed_only)), st.data())
-def test_a_parent_checking_subscriber_accepts_the_whole_snapshot(batches, data):
-    """Removed ancestors of held blocks are re-stored for it (and removed again)."""
+def test_a_parent_checking_subscriber_accepts_the_whole_program(batches, data):
+    """Every kept store comes after the stores it depends on."""
     assert _closed(batches)
     cut = data.draw(st.integers(0, len(batches)))
     snap = _snapshot_events(_record(batches[:cut]))
     for mode in ("llmd", "dynamo"):
-        model = _apply(SubscriberModel(mode), snap)
+        model = _apply(_model(mode), snap)
         assert model.dropped_stores == 0, mode
-        assert model.state() == SubscriberModel(mode).apply_batches(batches[:cut]).state()
+        assert model.state() == _model(mode).apply_batches(batches[:cut]).state()
         model.apply_batches(batches[cut:])
-        assert model.state() == SubscriberModel(mode).apply_batches(batches).state(), mode
+        assert model.state() == _model(mode).apply_batches(batches).state(), mode
 
 
 @settings(max_examples=400, deadline=None)
 @given(batch_lists(), st.data())
-def test_snapshot_plus_suffix_is_the_full_stream(batches, data):
+def test_program_plus_suffix_is_the_full_stream(batches, data):
     cut = data.draw(st.integers(0, len(batches)))
     rec = _record(batches[:cut])
     snap = _snapshot_events(rec)
-    full = SubscriberModel("refcount").apply_batches(batches)
-    assert rec.state() == SubscriberModel("refcount").apply_batches(batches[:cut]).state()
-    resumed = _apply(SubscriberModel("refcount"), snap).apply_batches(batches[cut:])
+    full = _model("refcount").apply_batches(batches)
+    assert rec.state() == _model("refcount").apply_batches(batches[:cut]).state()
+    resumed = _apply(_model("refcount"), snap).apply_batches(batches[cut:])
     assert resumed.state() == full.state()
-    if _closed(batches[:cut]):
-        for mode in ("llmd", "dynamo"):
-            model = _apply(SubscriberModel(mode), snap)
-            assert model.dropped_stores == 0, "a parent-checking subscriber accepts every store"
-            model.apply_batches(batches[cut:])
-            assert model.state() == SubscriberModel(mode).apply_batches(batches).state(), mode
+    stores = [ev for ev in snap if isinstance(ev, BlockStored)]
+    recorded = {id(ev) for b in batches[:cut] for ev in b.events}
+    assert all(id(ev) in recorded for ev in stores), "every store is one it recorded, whole"
+    first = [i for i, ev in enumerate(snap) if isinstance(ev, BlockRemoved)]
+    assert not first or all(isinstance(ev, BlockRemoved) for ev in snap[first[0] :])
 
 
 @settings(max_examples=200, deadline=None)
@@ -184,52 +181,75 @@ def _batch(*events):
     return KVEventBatch(ts=1.0, events=list(events), data_parallel_rank=0)
 
 
-def test_a_removed_ancestor_is_stored_for_its_child_and_removed_again():
-    rec = _record(
-        [
-            _batch(_store([1, 2, 3], None, extra_keys=[None, ("s", 2), None])),
-            _batch(BlockRemoved(block_hashes=[1, 2], medium="GPU")),
-        ]
-    )
-    assert rec.state() == {("GPU", None, 3): 1}
-    assert rec.retained == 3  # 1 and 2 are kept as 3's ancestors
-    snap = _snapshot_events(rec)
-    assert [type(e).__name__ for e in snap] == ["BlockStored", "BlockRemoved"]
-    stored, removed = snap
-    assert stored.block_hashes == [1, 2, 3] and stored.parent_block_hash is None
-    assert stored.token_ids == [10, 11, 20, 21, 30, 31]
-    assert stored.extra_keys == [None, ("s", 2), None]
-    assert removed.block_hashes == [1, 2]
-    rec.record(_batch(BlockRemoved(block_hashes=[3], medium="GPU")))
+def test_the_program_is_the_recorded_stores_whole_then_removals():
+    s1 = _store([1, 2, 3], None, extra_keys=[None, ("s", 2), None], locality="rack1")
+    gone = BlockRemoved(block_hashes=[1, 2], medium="GPU", locality="rack1")
+    rec = _record([_batch(s1), _batch(BlockRemoved(block_hashes=[3], medium="GPU")), _batch(gone)])
+    assert rec.state() == {("GPU", None, 3): 1}, "a removal in another scope is a no-op"
+    stored, removed = _snapshot_events(rec)
+    assert stored is s1, "the event as published, never split or rebuilt"
+    assert removed.block_hashes == [1, 2] and removed.medium == "GPU"
+    assert removed.locality == "rack1", "removals are per scope"
+    rec.record(_batch(BlockRemoved(block_hashes=[3], medium="GPU", locality="rack1")))
     rec.check()
-    assert rec.held == rec.retained == 0, "the ancestors go with their last child"
+    assert rec.held == rec.retained == 0, "the source goes with its last key"
 
 
-def test_counts_and_fields_of_the_latest_store_are_kept():
+def test_a_removed_parent_stays_for_its_child_and_is_removed_at_the_end():
+    s1, s2 = _store([1], None), _store([2], 1)
+    rec = _record([_batch(s1), _batch(s2), _batch(BlockRemoved(block_hashes=[1], medium="GPU"))])
+    snap = _snapshot_events(rec)
+    assert snap[:2] == [s1, s2] and snap[0] is s1
+    assert snap[2].block_hashes == [1]
+    rec.record(_batch(BlockRemoved(block_hashes=[2], medium="GPU")))
+    rec.check()
+    assert rec.retained == 0
+
+
+def test_a_parent_is_taken_from_the_stores_own_medium():
+    """Dynamo checks the parent in the store's medium: the GPU store of the parent is
+    kept for the GPU child even though a CPU store of that hash came later."""
+    gpu1, cpu1, gpu2 = _store([1], None), _store([1], None, "CPU"), _store([2], 1)
     rec = _record(
         [
-            _batch(_store([1], None, locality="a")),
-            _batch(_store([1], None, locality="b", group_idx=None)),
-            _batch(_store([1], None, medium="CPU", tokens=[])),
+            _batch(gpu1),
+            _batch(cpu1),
+            _batch(gpu2),
+            _batch(BlockRemoved(block_hashes=[1], medium="GPU")),
         ]
     )
     snap = _snapshot_events(rec)
-    gpu = [e for e in snap if e.medium == "GPU"]
-    assert len(gpu) == 2 and {e.locality for e in gpu} == {"b"}
-    (cpu,) = [e for e in snap if e.medium == "CPU"]
-    assert cpu.token_ids == []
+    assert snap[:3] == [gpu1, cpu1, gpu2]
+    model = _apply(_model("dynamo"), snap)
+    assert model.dropped_stores == 0
+    assert model.state() == {("CPU", None, 1): 1, ("GPU", None, 2): 1}
+
+
+def test_a_store_without_tokens_keeps_the_store_that_had_them():
+    gpu, cpu = _store([1], None), _store([1], None, "CPU", tokens=[])
+    rec = _record([_batch(gpu), _batch(cpu), _batch(BlockRemoved(block_hashes=[1], medium="GPU"))])
+    snap = _snapshot_events(rec)
+    assert snap[:2] == [gpu, cpu] and snap[0] is gpu
+    assert _apply(_model("refcount"), snap).state() == {("CPU", None, 1): 1}
+
+
+def test_a_key_held_twice_replays_its_latest_source_twice():
+    s1, s2 = _store([1], None, session_id="a"), _store([1], None, session_id="b")
+    rec = _record([_batch(s1), _batch(s2)])
+    assert rec.retained == 1, "the earlier store no longer names any key"
+    snap = _snapshot_events(rec)
+    assert len(snap) == 2 and all(ev is s2 for ev in snap)
 
 
 def test_a_clear_empties_it_and_makes_an_unavailable_recorder_exact_again():
-    rec = _record([_batch(_store([1], None))], max_blocks=1)
-    assert rec.valid
-    rec.record(_batch(_store([2], 1)))
+    rec = _record([_batch(_store([1], None), _store([2], None, "CPU"))], max_blocks=2)
+    rec.record(_batch(_store([3], 2)))
     assert not rec.valid and "snapshot_max_blocks" in rec.reason and rec.held == 0
-    rec.record(_batch(_store([3], None)))
+    rec.record(_batch(_store([4], None)))
     assert not rec.valid, "still unavailable: what it missed is unknown"
     rec.record(_batch(_store([4], None), AllBlocksCleared(), _store([5], None)))
     assert rec.valid and rec.state() == {("GPU", None, 5): 1}
-    assert rec.invalidations == 1
+    assert rec.retained == 1 and rec.invalidations == 1
 
 
 @pytest.mark.parametrize(
@@ -254,16 +274,38 @@ def test_unknown_events_are_ignored_like_the_models_do():
     assert rec.valid and rec.state() == {("GPU", None, 1): 1}
 
 
-def test_chunks_are_bounded():
-    n = CHUNK_BLOCKS * 3 + 5
-    rec = _record([_batch(_store(range(1, n + 1), None))])
+def test_a_move_is_replayed_as_its_store():
+    moved = BlockMoved(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[1, 2],
+        block_size=2,
+        lora_id=None,
+        from_medium="GPU",
+        to_medium="CPU",
+        lora_name=None,
+    )
+    rec = _record([_batch(_store([1], None)), _batch(moved)])
+    assert rec.state() == {("CPU", None, 1): 1}
+    (stored,) = _snapshot_events(rec)
+    assert isinstance(stored, BlockStored) and stored.medium == "CPU"
+    assert stored.token_ids == [1, 2]
+
+
+def test_chunks_are_bounded_and_only_removals_are_split():
+    n = CHUNK_EVENTS * 3 + 5
+    rec = _record([_batch(_store([i], None)) for i in range(1, n + 1)])
     chunks = list(rec.chunks())
-    assert len(chunks) == 4
-    assert all(sum(len(e.block_hashes) for e in c) <= CHUNK_BLOCKS for c in chunks)
-    model = SubscriberModel("dynamo")
-    for c in chunks:
-        _apply(model, c)
-    assert model.dropped_stores == 0 and len(model.state()) == n
+    assert [len(c) for c in chunks] == [CHUNK_EVENTS] * 3 + [5]
+    big = _store(range(1, REMOVED_PER_EVENT * 2 + 2), None)
+    rec = _record([_batch(big, _store([0], REMOVED_PER_EVENT * 2 + 1))])
+    rec.record(
+        _batch(BlockRemoved(block_hashes=list(range(1, REMOVED_PER_EVENT * 2 + 2)), medium="GPU"))
+    )
+    snap = _snapshot_events(rec)
+    assert snap[0] is big, "a store is never split"
+    assert [len(e.block_hashes) for e in snap[2:]] == [REMOVED_PER_EVENT, REMOVED_PER_EVENT, 1]
+    assert _apply(_model("dynamo"), snap).state() == {("GPU", None, 0): 1}
 
 
 def test_a_parent_cycle_from_a_caller_terminates():
@@ -272,22 +314,43 @@ def test_a_parent_cycle_from_a_caller_terminates():
     assert sorted(h for e in snap for h in e.block_hashes) == [1, 2, 3]
 
 
-def test_more_medium_and_group_pairs_than_the_c_tables_hold(impl):
-    rec = _new()
-    rec.record(_batch(*[_store([1], None, medium=f"M{i}") for i in range(70)]))
-    rec.check()
-    if impl == "c":
-        assert not rec.valid and "cannot interpret" in rec.reason
-    else:
-        assert rec.valid and rec.held == 70
-
-
-def test_a_walk_closed_early_leaves_it_recording(impl):
-    rec = _record([_batch(_store(range(1, 3 * CHUNK_BLOCKS), None))])
+def test_a_walk_closed_early_leaves_it_recording():
+    rec = _record([_batch(_store([i], None)) for i in range(1, 3 * CHUNK_EVENTS)])
     chunks = rec.chunks()
     assert next(chunks)
     chunks.close()  # the snapshot service does this when it abandons a reply
     rec.record(_batch(BlockRemoved(block_hashes=[1], medium="GPU")))
     rec.check()
-    assert rec.valid and rec.held == 3 * CHUNK_BLOCKS - 2
-    assert len(_snapshot_events(rec)) >= 1
+    assert rec.valid and rec.held == 3 * CHUNK_EVENTS - 2
+    assert len(_snapshot_events(rec)) == 3 * CHUNK_EVENTS - 2
+
+
+def _internals(rec: Recorder) -> Any:
+    return rec._live, rec._sources, rec._refs, rec._n, rec.valid
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(batch_lists(), chained_streams()))
+def test_the_c_loop_builds_the_python_loops_state(batches):
+    if _recorder._accel is None:
+        pytest.skip("the C recorder is not built")
+    py, c = Recorder(10_000, accelerated=False), Recorder(10_000, accelerated=True)
+    for b in batches:
+        py.record(b)
+        c.record(b)
+        assert _internals(c) == _internals(py)
+        assert [e for ch in c.chunks() for e in ch] == [e for ch in py.chunks() for e in ch]
+
+
+def test_source_ids_are_renumbered_before_they_outgrow_64_bits():
+    rec = _new()
+    rec._n[NEXT] = MAX_ID - 2
+    batches = [_batch(_store([i], i - 1 if i > 1 else None)) for i in range(1, 6)]
+    batches.append(_batch(BlockRemoved(block_hashes=[1, 2], medium="GPU")))
+    for b in batches:
+        rec.record(b)
+        rec.check()
+    assert rec.valid and rec._n[NEXT] < MAX_ID
+    assert rec.state() == {("GPU", None, h): 1 for h in (3, 4, 5)}
+    snap = _snapshot_events(rec)
+    assert [e.block_hashes for e in snap] == [[1], [2], [3], [4], [5], [1, 2]]

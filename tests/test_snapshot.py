@@ -19,6 +19,7 @@ from coalesce import (
     KVEventBatch,
     PublishOutcome,
 )
+from coalesce._recorder import CHUNK_EVENTS
 from coalesce.refmodel import SubscriberModel
 from coalesce.subscriber import Subscriber, decode_batch, publisher_id
 from tests.conftest import held, inproc, wait_for
@@ -77,7 +78,7 @@ def reply_state(frames: list[bytes], mode: Any = "refcount") -> tuple[int, Subsc
     model = SubscriberModel(mode)
     for chunk in frames[2:]:
         raw = msgspec.msgpack.decode(chunk)
-        assert len(raw) == 4 and raw[3] == frames[1], "chunks carry the publisher_id"
+        assert len(raw) == 3 and len(raw[1]) <= CHUNK_EVENTS, "chunks are plain batches"
         _, events, _, _ = decode_batch(chunk)
         for ev in events:
             model.apply_event(ev)
@@ -90,25 +91,41 @@ def test_off_by_default_the_wire_is_vllms(make_sub):
     with CoalescingPublisher(endpoint=ep) as p:
         p.publish(offload(0))
         (_, _, payload) = sub.recv()
-        assert len(msgspec.msgpack.decode(payload)) == 3 and publisher_id(payload) is None
+        assert len(msgspec.msgpack.decode(payload)) == 3
+        assert len(sub.seq_frames[0]) == 8 and publisher_id(sub.seq_frames[0]) is None
         assert p.publisher_id is None and not p.stats().snapshot_exact
+        assert p.get_publisher_config().snapshot_endpoint is None
 
 
-def test_payloads_carry_the_publisher_id_and_an_idle_publisher_beats(snap_pub, make_sub):
+def test_live_seq_frames_carry_the_publisher_id_and_an_idle_publisher_beats(snap_pub, make_sub):
+    """PR #57789: the seq frame is the 8-byte seq then the 16-byte id; payloads unchanged."""
     ep = inproc("pub")
     sub = make_sub(ep)
-    p, _, _ = snap_pub(ep)
+    p, _, snap = snap_pub(ep)
     assert p.publisher_id is not None and len(p.publisher_id) == 16
     b = offload(5)
     p.publish(b)
     (_, first, payload) = sub.recv()
-    raw = msgspec.msgpack.decode(payload)
-    assert raw[:3] == msgspec.msgpack.decode(msgspec.msgpack.encode(b))
-    assert raw[3] == p.publisher_id == publisher_id(payload)
+    assert payload == msgspec.msgpack.encode(b), "the payload is vLLM's, byte for byte"
+    assert sub.seq_frames[0] == first.to_bytes(8, "big") + p.publisher_id
+    assert publisher_id(sub.seq_frames[0]) == p.publisher_id
     # nothing published: within a few seconds an empty batch takes the next seq
     (_, seq, payload) = sub.recv(timeout=5.0)
-    assert seq == first + 1
+    assert seq == first + 1 and len(sub.seq_frames[1]) == 24
     assert msgspec.msgpack.decode(payload)[1] == []
+    config = p.get_publisher_config()
+    assert config.snapshot_endpoint == snap and config.snapshot_max_blocks == 1_000_000
+
+
+def test_replayed_messages_have_8_byte_seq_frames(make_sub):
+    """As the PR's replay: the id is on live messages only."""
+    ep, replay, snap = inproc("pub"), inproc("replay"), inproc("snap")
+    sub = make_sub(ep, replay=replay)
+    with CoalescingPublisher(endpoint=ep, replay_endpoint=replay, snapshot_endpoint=snap) as p:
+        p.publish(offload(1))
+        (_, seq, payload) = sub.recv()
+        assert len(sub.seq_frames[0]) == 24
+        assert sub.replay(seq)[0] == (b"", seq, payload)
 
 
 @pytest.mark.parametrize("req", [False, True], ids=["dealer", "req"])
@@ -204,26 +221,27 @@ def test_an_unencodable_batch_makes_snapshots_unavailable_until_a_clear(snap_pub
 
 
 class _BareStore(msgspec.Struct, tag="BlockStored"):
-    """A caller's store with only what the state needs: it cannot be rebuilt."""
+    """A caller's store with only some of the fields."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
     medium: str | None
 
 
-def test_a_store_that_cannot_be_rebuilt_makes_the_snapshot_unavailable(snap_pub):
+def test_a_callers_store_is_served_as_it_was_published(snap_pub):
     p, _, snap = snap_pub()
     p.publish(batch(store([1], None), _BareStore([2], 1, "GPU")))
     assert p.flush(10.0)
-    assert p.stats().snapshot_exact, "its state is known"
     frames = request(snap)
-    assert int.from_bytes(frames[0], "big", signed=True) == -2, "but it cannot be sent"
-    wait_for(lambda: p.stats().snapshot_unavailable == 1, what="the -2 to be counted")
-    assert p.stats().sender_alive and not p.stats().snapshot_exact
-    p.publish(batch(AllBlocksCleared(), store([7], None)))
-    assert p.flush(10.0)
-    seq, model = reply_state(request(snap))
-    assert seq >= 0 and model.state() == {("GPU", None, 7): 1}
+    assert int.from_bytes(frames[0], "big", signed=True) >= 0
+    (chunk,) = frames[2:]
+    _, events, _ = msgspec.msgpack.decode(chunk)
+    assert events[1] == {
+        "type": "BlockStored",
+        "block_hashes": [2],
+        "parent_block_hash": 1,
+        "medium": "GPU",
+    }
 
 
 @pytest.mark.parametrize("loss_marker", ["gap", "clear"])
@@ -379,7 +397,7 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
                         p.publish(extra)
                     p.publish(b)  # refused: the hand-off is full
             elif how == "bad":
-                lost_at_encode = True  # its store cannot be rebuilt: -2 until a clear
+                lost_at_encode = True  # its effect is unknown: -2 until a clear
                 p.publish(batch(store([999], None, tokens=[object()])))  # lost at encode
                 p.publish(batch(BlockRemoved([999], "GPU")))
                 published.extend([batch(store([999], None)), batch(BlockRemoved([999], "GPU"))])
@@ -415,9 +433,7 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
 
 
 @pytest.mark.parametrize("snapshots", [True, False])
-def test_turning_snapshots_on_warns_once_of_the_consumers_that_cannot_read_them(
-    caplog, snapshots
-):
+def test_turning_snapshots_on_warns_once_of_the_consumers_that_cannot_read_them(caplog, snapshots):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="coalesce"):
@@ -428,4 +444,6 @@ def test_turning_snapshots_on_warns_once_of_the_consumers_that_cannot_read_them(
     named = [r for r in caplog.records if "Dynamo" in r.getMessage()]
     assert len(named) == (1 if snapshots else 0)
     if snapshots:
-        assert named[0].levelno == logging.WARNING and "4 elements" in named[0].getMessage()
+        said = named[0].getMessage()
+        assert named[0].levelno == logging.WARNING and "24 bytes" in said
+        assert "example subscriber" in said

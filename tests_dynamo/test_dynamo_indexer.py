@@ -41,8 +41,9 @@ def indexer() -> Iterator[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _indexer() -> Iterator[tuple[int, int]]:
-    """A Dynamo indexer following worker 1 on a fresh port: (zmq port, http port)."""
+def _indexer(log: Any = subprocess.DEVNULL) -> Iterator[tuple[int, int]]:
+    """A Dynamo indexer following worker 1 on a fresh port: (zmq port, http port);
+    its log goes to ``log`` (a file)."""
     port, http = free_port(), free_port()
     proc = subprocess.Popen(
         [
@@ -58,8 +59,8 @@ def _indexer() -> Iterator[tuple[int, int]]:
             "--threads",
             "1",
         ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log,
     )
     try:
         wait_for(lambda: _dump(http) is not None, timeout=30, what="the indexer's HTTP port")
@@ -114,9 +115,11 @@ def run(
     try:
         # Dynamo connects to the publisher: wait until it reads, then take the probe back
         wait_for(
-            lambda: pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
-            and pub.flush(5.0)
-            and PROBE in (_dump(http) or set()),
+            lambda: (
+                pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+                and pub.flush(5.0)
+                and PROBE in (_dump(http) or set())
+            ),
             timeout=30,
             what="Dynamo to read the stream",
         )
@@ -172,3 +175,27 @@ def test_with_an_in_band_resync_dynamo_ends_as_with_the_plain_stream(indexer):
     assert got == plain
     cleared, _, _ = run(indexer, "clear", after=2)  # the same indexer: marker alone
     assert cleared < plain
+
+
+def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path):
+    """PR #57789's 24-byte seq frames (snapshots on): Dynamo 1.6.1 says so in its
+    log and indexes nothing; the publisher's start-up WARNING names it."""
+    log_path = tmp_path / "indexer.log"
+    with open(log_path, "wb") as log, _indexer(log) as (port, http):
+        pub = CoalescingPublisher(
+            endpoint=f"tcp://*:{port}", snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}"
+        )
+        try:
+            wait_for(
+                lambda: (
+                    pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+                    and pub.flush(5.0)
+                    and b"Invalid sequence number length: 24" in log_path.read_bytes()
+                ),
+                timeout=30,
+                what="Dynamo to reject a 24-byte seq frame",
+            )
+            assert PROBE not in (_dump(http) or set())
+            assert _dump(http) == set()
+        finally:
+            pub.shutdown()

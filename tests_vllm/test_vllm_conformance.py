@@ -267,7 +267,6 @@ def test_vllms_classes_take_the_c_rules_and_match_the_python_ones():
     assert taken[1:] == (counts["superseded"], counts["cancelled"], counts["merged"])
 
 
-
 def test_vllms_batches_take_the_c_window_driver_and_match_the_python_one():
     """vLLM's KVEventBatch is read by the C window driver (its ts, events and rank
     slots), ranks and folds as the Python driver does, for both levels."""
@@ -284,6 +283,7 @@ def test_vllms_batches_take_the_c_window_driver_and_match_the_python_one():
         assert out_c == out_py and rep_c == rep_py
         assert {type(b) for b in out_c} == {vk.KVEventBatch}
         assert rep_c.batches_out == 3  # the rank-1 batch splits the window in three
+
 
 # -- vLLM's own publisher scenarios, in our words, through vLLM's factory ---------------
 
@@ -415,7 +415,8 @@ def test_snapshots_through_vllms_config_decode_with_vllms_types(
     enabled, made, make_sub, monkeypatch
 ):
     """vLLM 0.33's config forbids unknown keys: the variable turns snapshots on.  Live
-    payloads and snapshot chunks (4 elements) decode with vLLM's own types."""
+    payloads (3 elements; the id is in the 24-byte seq frame) and snapshot chunks
+    decode with vLLM's own types, and the chunks' stores are ones the stream sent."""
     ep, snap = inproc("pub"), inproc("snap")
     monkeypatch.setenv("COALESCE_SNAPSHOT_ENDPOINT", snap)
     sub = make_sub(ep)
@@ -427,7 +428,10 @@ def test_snapshots_through_vllms_config_decode_with_vllms_types(
     assert pub.flush(20)
     msgs = sub.recv_until_seq(pub.stats().messages_sent - 1)
     dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
-    assert all(msgspec.msgpack.decode(m[2])[3] == pub.publisher_id for m in msgs)
+    assert all(len(msgspec.msgpack.decode(m[2])) == 3 for m in msgs)
+    assert all(f[8:] == pub.publisher_id and len(f) == 24 for f in sub.seq_frames)
+    config = pub.get_publisher_config()  # vLLM 0.33's KVEventsConfig has no snapshot field
+    assert type(config).__name__ == "KVEventsConfig" and config.endpoint == ep
     live = [dec.decode(m[2]) for m in msgs]
     want = SubscriberModel("refcount").apply_batches(batches).state()
     assert SubscriberModel("refcount").apply_batches(live).state() == want
@@ -443,6 +447,9 @@ def test_snapshots_through_vllms_config_decode_with_vllms_types(
     assert int.from_bytes(frames[0], "big", signed=True) >= 0
     assert frames[1] == pub.publisher_id
     chunks = [dec.decode(f) for f in frames[2:]]
+    sent = [ev for b in live for ev in b.events if isinstance(ev, vk.BlockStored)]
+    for ev in (ev for c in chunks for ev in c.events if isinstance(ev, vk.BlockStored)):
+        assert ev in sent, "a snapshot store is a store the live stream carried, whole"
     for mode in ("refcount", "llmd", "dynamo"):
         model = SubscriberModel(mode).apply_batches(chunks)
         assert model.dropped_stores == 0
