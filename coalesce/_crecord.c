@@ -49,20 +49,66 @@ static PyObject *attr_or_none(PyObject *o, PyObject *name) {
     return v;
 }
 
-/* (medium, group_idx, locality, ownership) of an event: a new tuple or NULL. */
-static PyObject *scope_of(PyObject *ev) {
+/* The last scope looked up in one record() call: its four field values (compared
+ * by identity: an event of the same scope usually holds the very same objects),
+ * the scope tuple and its table (NULL: none yet).  All references owned.  A
+ * table is never dropped from `live` during a call, so a cached one stays valid. */
+typedef struct {
+    PyObject *attrs[4], *scope, *table;
+} Cache;
+
+static void cache_clear(Cache *c) {
+    for (int k = 0; k < 4; k++) Py_CLEAR(c->attrs[k]);
+    Py_CLEAR(c->scope);
+    Py_CLEAR(c->table);
+}
+
+/* The table of `ev`'s scope (a borrowed reference, owned by the cache), created
+ * in `live` if `create`; NULL with no error when there is none.  *scope: the
+ * scope tuple (borrowed, owned by the cache).  NULL with an error on failure. */
+static PyObject *table_of(PyObject *ev, PyObject *live, Cache *c, int create,
+                          PyObject **scope) {
     PyObject *names[4] = {s_medium, s_group_idx, s_locality, s_ownership};
-    PyObject *t = PyTuple_New(4);
-    if (t == NULL) return NULL;
+    PyObject *a[4];
+    int same = c->scope != NULL;
     for (int k = 0; k < 4; k++) {
-        PyObject *v = attr_or_none(ev, names[k]);
-        if (v == NULL) {
-            Py_DECREF(t);
+        a[k] = attr_or_none(ev, names[k]);
+        if (a[k] == NULL) {
+            while (k--) Py_DECREF(a[k]);
             return NULL;
         }
-        PyTuple_SET_ITEM(t, k, v);
+        same = same && a[k] == c->attrs[k];
     }
-    return t;
+    if (!same) {
+        PyObject *t = PyTuple_New(4);
+        if (t == NULL) {
+            for (int k = 0; k < 4; k++) Py_DECREF(a[k]);
+            return NULL;
+        }
+        for (int k = 0; k < 4; k++) PyTuple_SET_ITEM(t, k, Py_NewRef(a[k]));
+        PyObject *table = PyDict_GetItemWithError(live, t);
+        if (table == NULL && PyErr_Occurred()) {
+            Py_DECREF(t);
+            for (int k = 0; k < 4; k++) Py_DECREF(a[k]);
+            return NULL;
+        }
+        cache_clear(c);
+        for (int k = 0; k < 4; k++) c->attrs[k] = Py_NewRef(a[k]);
+        c->scope = t;
+        c->table = Py_XNewRef(table);
+    }
+    for (int k = 0; k < 4; k++) Py_DECREF(a[k]);
+    if (c->table == NULL && create) {
+        PyObject *table = PyDict_New();
+        if (table == NULL) return NULL;
+        if (PyDict_SetItem(live, c->scope, table) < 0) {
+            Py_DECREF(table);
+            return NULL;
+        }
+        c->table = table;
+    }
+    *scope = c->scope;
+    return c->table;
 }
 
 /* refs[sid] += delta; the new value in *now.  -1 on an error (a missing id). */
@@ -118,11 +164,9 @@ static int release_id(PyObject *refs, PyObject *unused, long long id) {
 }
 
 static int remove_event(PyObject *ev, PyObject *live, PyObject *refs, PyObject *unused,
-                        long long *n) {
-    PyObject *scope = scope_of(ev);
-    if (scope == NULL) return -1;
-    PyObject *table = PyDict_GetItemWithError(live, scope);
-    Py_DECREF(scope);
+                        long long *n, Cache *cache) {
+    PyObject *scope;
+    PyObject *table = table_of(ev, live, cache, 0, &scope);
     if (table == NULL) return PyErr_Occurred() ? -1 : 0;
     Py_INCREF(table);
     int rc = -1;
@@ -167,7 +211,7 @@ static int add_dep(PyObject *deps, PyObject *sid) {
 }
 
 static int store_event(PyObject *ev, PyObject *live, PyObject *sources, PyObject *refs,
-                       PyObject *unused, long long *n) {
+                       PyObject *unused, long long *n, Cache *cache) {
     int rc = -1;
     PyObject *hashes = NULL, *seq = NULL, *scope = NULL, *table = NULL, *deps = NULL;
     PyObject *parent = NULL, *toks = NULL, *sid = NULL, *source = NULL, *dep_tuple = NULL;
@@ -181,35 +225,33 @@ static int store_event(PyObject *ev, PyObject *live, PyObject *sources, PyObject
     }
     seq = PySequence_Fast(hashes, "block_hashes is not a sequence");
     if (seq == NULL) goto done;
-    scope = scope_of(ev);
-    if (scope == NULL) goto done;
-    table = PyDict_GetItemWithError(live, scope);
-    if (table != NULL) {
-        Py_INCREF(table);
-    } else {
-        if (PyErr_Occurred()) goto done;
-        table = PyDict_New();
-        if (table == NULL || PyDict_SetItem(live, scope, table) < 0) goto done;
-    }
-    deps = PyList_New(0);
-    if (deps == NULL) goto done;
+    table = table_of(ev, live, cache, 1, &scope);
+    if (table == NULL) goto done;
+    Py_INCREF(table);
+    Py_INCREF(scope);
     parent = PyObject_GetAttr(ev, s_parent_block_hash);
     if (parent == NULL) goto done;
+    PyObject *parent_dep = NULL;
     if (parent != Py_None) {
         long long held = held_anywhere(live, table, parent);
         if (held == -2) goto done;
-        if (held >= 0) {
-            PyObject *dep = PyLong_FromLongLong(held);
-            int err = dep == NULL ? -1 : PyList_Append(deps, dep);
-            Py_XDECREF(dep);
-            if (err < 0) goto done;
-        }
+        if (held >= 0 && (parent_dep = PyLong_FromLongLong(held)) == NULL) goto done;
     }
     toks = attr_or_none(ev, s_token_ids);
-    if (toks == NULL) goto done;
-    int tokens = PyObject_IsTrue(toks);
-    if (tokens < 0) goto done;
-    if (!tokens) {
+    int tokens = toks == NULL ? -1 : PyObject_IsTrue(toks);
+    if (tokens < 0) {
+        Py_XDECREF(parent_dep);
+        goto done;
+    }
+    if (tokens) { /* (the usual case: the parent's source at most) */
+        dep_tuple = parent_dep == NULL ? PyTuple_New(0) : PyTuple_Pack(1, parent_dep);
+        Py_XDECREF(parent_dep);
+        if (dep_tuple == NULL) goto done;
+    } else {
+        deps = PyList_New(0);
+        int err = deps == NULL ? -1 : parent_dep == NULL ? 0 : PyList_Append(deps, parent_dep);
+        Py_XDECREF(parent_dep);
+        if (err < 0) goto done;
         for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
             PyObject *h = PySequence_Fast_GET_ITEM(seq, j);
             Py_ssize_t pos = 0;
@@ -241,12 +283,12 @@ static int store_event(PyObject *ev, PyObject *live, PyObject *sources, PyObject
                 if (with) break;
             }
         }
+        dep_tuple = PyList_AsTuple(deps);
+        if (dep_tuple == NULL) goto done;
     }
     sid = PyLong_FromLongLong(n[NEXT]);
     if (sid == NULL) goto done;
     n[NEXT] += 1;
-    dep_tuple = PyList_AsTuple(deps);
-    if (dep_tuple == NULL) goto done;
     PyObject *size_obj = PyLong_FromSsize_t(size);
     if (size_obj == NULL) goto done;
     source = PyTuple_Pack(5, ev, scope, dep_tuple, tokens ? Py_True : Py_False, size_obj);
@@ -344,26 +386,31 @@ static PyObject *cr_record(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (i == -1 && PyErr_Occurred()) return NULL;
     long long n[4];
     if (read_counters(counters, n) < 0) return NULL;
+    Cache cache = {{NULL, NULL, NULL, NULL}, NULL, NULL};
     for (; i < PyList_GET_SIZE(events); i++) {
         PyObject *ev = PyList_GET_ITEM(events, i);
         PyObject *kind_obj = PyDict_GetItemWithError(kinds, (PyObject *)Py_TYPE(ev));
         if (kind_obj == NULL) {
-            if (PyErr_Occurred()) return NULL;
+            if (PyErr_Occurred()) goto fail;
             break; /* a class not looked up yet: the caller does */
         }
         long kind = PyLong_AsLong(kind_obj);
-        if (kind == -1 && PyErr_Occurred()) return NULL;
+        if (kind == -1 && PyErr_Occurred()) goto fail;
         if (kind == OTHER) continue;
         if (kind != STORED && kind != REMOVED) break; /* a clear or a move: the caller */
         if (kind == STORED && n[NEXT] >= MAX_ID) break; /* ids to renumber: the caller */
         Py_INCREF(ev);
-        int err = kind == REMOVED ? remove_event(ev, live, refs, unused, n)
-                                  : store_event(ev, live, sources, refs, unused, n);
+        int err = kind == REMOVED ? remove_event(ev, live, refs, unused, n, &cache)
+                                  : store_event(ev, live, sources, refs, unused, n, &cache);
         Py_DECREF(ev);
-        if (err < 0) return NULL;
+        if (err < 0) goto fail;
     }
+    cache_clear(&cache);
     if (write_counters(counters, n) < 0) return NULL;
     return PyLong_FromSsize_t(i);
+fail:
+    cache_clear(&cache);
+    return NULL;
 }
 
 PyDoc_STRVAR(collect_doc,
