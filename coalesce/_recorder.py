@@ -398,28 +398,31 @@ class Recorder:
 
         A key's stores in the program are its own source's (the one naming it)
         times that source is sent, plus *foreign* ones: other kept sources
-        that store its hash in its scope (counted sparsely here).
+        that store its hash in its scope (counted sparsely here).  Only a key
+        held more than once can need its source again: those are noted while
+        the sources go out, so no step walks every key.
         """
         live, sources = self._live, self._sources
         foreign: dict[Scope, Counter[Any]] = {}
         repeats: dict[int, Counter[Any]] = {}  # a source with a hash twice: its counts
+        multi: list[tuple[Scope, Any]] = []  # keys held more than once
         for sid, source in sources.items():
             yield source[EVENT]
-            yield _foreign(live, foreign, sid, source, repeats)
+            yield _foreign(live, foreign, sid, source, repeats, multi)
         again: Counter[int] = Counter()  # sources sent again
-        for scope, table in live.items():
+        for looked, (scope, h) in enumerate(multi, 1):
+            if not looked % 256:
+                yield 256
+            value = live[scope][h]
+            count, sid = value & _COUNT, value >> SHIFT
+            per = repeats[sid][h] if sid in repeats else 1
             mine = foreign.get(scope)
-            for looked, (h, value) in enumerate(table.items(), 1):
-                if not looked % 256:
-                    yield 256
-                count, sid = value & _COUNT, value >> SHIFT
-                per = repeats[sid][h] if sid in repeats else 1
-                while per * (1 + again[sid]) + (mine[h] if mine else 0) < count:
-                    source = sources[sid]
-                    yield source[EVENT]
-                    again[sid] += 1
-                    yield _foreign(live, foreign, sid, source, None)
-                    mine = foreign.get(scope)
+            while per * (1 + again[sid]) + (mine[h] if mine else 0) < count:
+                source = sources[sid]
+                yield source[EVENT]
+                again[sid] += 1
+                yield _foreign(live, foreign, sid, source, None, None)
+                mine = foreign.get(scope)
         for scope, keys in _excess(live, sources, foreign, again, repeats).items():
             medium, group, locality, ownership = scope
             for i in range(0, len(keys), REMOVED_PER_EVENT):
@@ -438,9 +441,11 @@ def _foreign(
     sid: int,
     source: tuple[Any, ...],
     repeats: dict[int, Counter[Any]] | None,
+    multi: list[tuple[Scope, Any]] | None,
 ) -> int:
     """Count one sending of ``source``: its stores of keys it does not name go to
-    ``foreign``; a repeated hash, once, to ``repeats``.  Returns the hashes seen."""
+    ``foreign``; the first time, a repeated hash to ``repeats`` and a key it names
+    held more than once to ``multi``.  Returns the hashes seen."""
     scope, hashes = source[SCOPE], source[EVENT].block_hashes
     table = live.get(scope, {})
     counts = foreign.get(scope)
@@ -450,6 +455,8 @@ def _foreign(
             if counts is None:
                 counts = foreign[scope] = Counter()
             counts[h] += 1
+        elif multi is not None and value & _COUNT > 1:
+            multi.append((scope, h))
     if repeats is not None and len(hashes) > 1 and len(set(hashes)) < len(hashes):
         repeats[sid] = Counter(hashes)
     return len(hashes)
