@@ -19,7 +19,21 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 .PHONY: demo test test-pure test-vllm test-sglang test-dynamo lint bench check-c docs clean
 
 # setup.py builds the optional C accelerators in place; a C change reinstalls.
-$(STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h
+C_SOURCES := pyproject.toml setup.py $(wildcard coalesce/*.c coalesce/*.h)
+comma := ,
+
+# A tier's virtualenv: $(1) its folder, $(2) its requirements file, $(3) the engine's
+# wheel, installed without its dependencies (none: nothing), $(4) the project's extras.
+define tier_venv
+	$(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -r $(2)
+	$(if $(3),$(1)/bin/python -m pip install -q --no-deps $(3))
+	$(1)/bin/python -m pip install -q -e '.[$(4)]'
+	touch $(1)/.installed-stamp
+endef
+
+$(STAMP): $(C_SOURCES)
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,plot]'
@@ -34,34 +48,20 @@ test: $(STAMP)            ## the test suite (real ZeroMQ sockets, hypothesis; CI
 test-pure: $(STAMP)       ## the test suite with every C accelerator off (the pure-Python fallback)
 	COALESCE_NO_ACCEL=1 COALESCE_REQUIRE_ACCEL= $(BIN)/python -m pytest -q
 
-$(VLLM_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/vllm-conformance.txt
-	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install -q --upgrade pip
-	$(VLLM_BIN)/python -m pip install -q -r requirements/vllm-conformance.txt
-	$(VLLM_BIN)/python -m pip install -q --no-deps vllm==0.33.0
-	$(VLLM_BIN)/python -m pip install -q -e '.[test,prometheus]'
-	touch $(VLLM_STAMP)
+$(VLLM_STAMP): $(C_SOURCES) requirements/vllm-conformance.txt
+	$(call tier_venv,$(VLLM_VENV),requirements/vllm-conformance.txt,vllm==0.33.0,test$(comma)prometheus)
 
 test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 wheel
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
 
-$(SGLANG_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/sglang.txt
-	$(PY) -m venv $(SGLANG_VENV)
-	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
-	$(SGLANG_BIN)/python -m pip install -q -r requirements/sglang.txt
-	$(SGLANG_BIN)/python -m pip install -q --no-deps sglang==0.5.23
-	$(SGLANG_BIN)/python -m pip install -q -e '.[test]'
-	touch $(SGLANG_STAMP)
+$(SGLANG_STAMP): $(C_SOURCES) requirements/sglang.txt
+	$(call tier_venv,$(SGLANG_VENV),requirements/sglang.txt,sglang==0.5.23,test)
 
 test-sglang: $(SGLANG_STAMP) ## the conformance tier against the real sglang==0.5.23 wheel
 	$(SGLANG_BIN)/python -m pytest -q tests_sglang
 
-$(DYNAMO_STAMP): pyproject.toml setup.py coalesce/_ccompact.c coalesce/_crecord.c coalesce/_csend.c coalesce/_cstruct.h requirements/dynamo.txt
-	$(PY) -m venv $(DYNAMO_VENV)
-	$(DYNAMO_BIN)/python -m pip install -q --upgrade pip
-	$(DYNAMO_BIN)/python -m pip install -q -r requirements/dynamo.txt
-	$(DYNAMO_BIN)/python -m pip install -q -e '.[test]'
-	touch $(DYNAMO_STAMP)
+$(DYNAMO_STAMP): $(C_SOURCES) requirements/dynamo.txt
+	$(call tier_venv,$(DYNAMO_VENV),requirements/dynamo.txt,,test)
 
 test-dynamo: $(DYNAMO_STAMP) ## NVIDIA Dynamo's real KV indexer (ai-dynamo-runtime 1.6.1) under forced loss
 	$(DYNAMO_BIN)/python -m pytest -q tests_dynamo

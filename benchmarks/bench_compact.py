@@ -46,7 +46,7 @@ from bench_publish import make_batch
 from coalesce import compactor
 from coalesce.events import KVEventBatch
 from coalesce.testing import Payoff, folding_pays, without_accelerator
-from coalesce_tools.results import recording
+from coalesce_tools.results import row, run
 from coalesce_tools.workload import Engine, WorkloadConfig
 
 Window = list[Any]
@@ -226,13 +226,20 @@ def main() -> None:
         cw = f"{per['rules C wire'] / raw:.2f}x" if "rules C wire" in per else "n/a"
         lv = f"{per['level'] / raw:.2f}x | {ran:.0%}" if "level" in per else "n/a | n/a"
         bpw = statistics.mean(len(w) for w in windows)
-        print(
-            f"| {name} | {bpw:.0f} | {raw * 1e9:.0f} | {per['fold'] / raw:.2f}x | {c} | {cw} "
-            f"| {lv} | {per['rules py'] / raw:.1f}x | {events:.2f} | {nbytes:.2f} |",
-            flush=True,
+        fold, py = f"{per['fold'] / raw:.2f}x", f"{per['rules py'] / raw:.1f}x"
+        row(
+            name,
+            f"{bpw:.0f}",
+            f"{raw * 1e9:.0f}",
+            fold,
+            c,
+            cw,
+            lv,
+            py,
+            f"{events:.2f}",
+            f"{nbytes:.2f}",
         )
 
 
 if __name__ == "__main__":
-    with recording("compact", __doc__ or ""):
-        main()
+    run("compact", __doc__, main)

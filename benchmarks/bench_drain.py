@@ -37,7 +37,7 @@ from bench_publish import make_batch
 
 from coalesce import CoalescingPublisher
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
-from coalesce_tools.results import recording
+from coalesce_tools.results import row, run
 
 _ENC = msgspec.msgpack.Encoder()
 
@@ -129,14 +129,19 @@ def main() -> None:
         rate = {k: events / med(k, "seconds") / 1e6 for k in kinds}
         cpu = {k: med(k, "cpu") / med("stock", "cpu") for k in kinds}
         wire = {k: runs[k][-1].wire_bytes / runs["stock"][-1].wire_bytes for k in kinds}
-        print(
-            f"| {name} | {n:,} | {events:,} | {rate['stock']:.2f} "
-            f"| {rate['coalesce'] / rate['stock']:.2f} | {wire['coalesce']:.2f} "
-            f"| {cpu['coalesce']:.2f} | {med('coalesce', 'cpu') / statistics.median(encode):.2f} |",
-            flush=True,
+        over_encode = med("coalesce", "cpu") / statistics.median(encode)
+        ratio = rate["coalesce"] / rate["stock"]
+        row(
+            name,
+            f"{n:,}",
+            f"{events:,}",
+            f"{rate['stock']:.2f}",
+            f"{ratio:.2f}",
+            f"{wire['coalesce']:.2f}",
+            f"{cpu['coalesce']:.2f}",
+            f"{over_encode:.2f}",
         )
 
 
 if __name__ == "__main__":
-    with recording("drain", __doc__ or ""):
-        main()
+    run("drain", __doc__, main)

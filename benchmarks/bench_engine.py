@@ -46,7 +46,7 @@ from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 from coalesce import CoalescingPublisher
 from coalesce.testing import IDLE_POLL
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
-from coalesce_tools.results import recording
+from coalesce_tools.results import row, run
 
 KINDS = ("stock", "coalesce", "coalesce+snap")
 FLOORS = ("floor: call", "floor: wake")
@@ -209,14 +209,11 @@ def main() -> None:
                 ratios[kind].append(runs[kind][-1][0] / runs["stock"][-1][0])
         for kind in kinds:
             wall, p50, p99 = (statistics.median(r[i] for r in runs[kind]) for i in range(3))
-            print(
-                f"| {events} | {events / (rate * gpu_eff):.2f}x | {kind} | {wall * 1e3:.0f} "
-                f"| {statistics.median(ratios[kind]):.2f}x | {p50:.1f} | {p99:.1f} "
-                f"| {max(r[3] for r in runs['stock']) if kind == 'stock' else ''} |",
-                flush=True,
-            )
+            blocked = max(r[3] for r in runs["stock"]) if kind == "stock" else ""
+            load = f"{events / (rate * gpu_eff):.2f}x"
+            vs = f"{statistics.median(ratios[kind]):.2f}x"
+            row(events, load, kind, f"{wall * 1e3:.0f}", vs, f"{p50:.1f}", f"{p99:.1f}", blocked)
 
 
 if __name__ == "__main__":
-    with recording("engine", __doc__ or ""):
-        main()
+    run("engine", __doc__, main)

@@ -28,7 +28,7 @@ from coalesce_tools.demo import (
     run_publisher,
     stock_capacity_per_step,
 )
-from coalesce_tools.results import recording
+from coalesce_tools.results import row, run
 from coalesce_tools.workload import WorkloadConfig
 
 
@@ -99,19 +99,24 @@ def main() -> None:
                 ratios = [rnd[kind].engine_wall_s / rnd["stock"].engine_wall_s for rnd in rounds]
                 engine = f"{statistics.median(ratios):.2f}x"
                 vs = f"{r.bytes_on_wire / rounds[-1]['stock'].bytes_on_wire:.2f}"
-            print(
-                f"| {load:g}x | {requests * per_request:,} | {kind} "
-                f"| {statistics.median(x.publish_total_ms for x in rs):.1f} "
-                f"| {max(x.publish_max_us for x in rs) / 1e3:.2f} "
-                f"| {statistics.median(x.publish_p99_us for x in rs):.1f} | {engine} "
-                f"| {max(x.dropped for x in rs)} | {max(x.gaps_seen for x in rs)} "
-                f"| {max(x.resets for x in rs)} | {max(x.recovered for x in rs)} "
-                f"| {max(x.silent for x in rs):,} | {max(x.missing + x.stale for x in rs):,} "
-                f"| {r.bytes_on_wire / 1e6:.1f} | {vs} |",
-                flush=True,
+            row(
+                f"{load:g}x",
+                f"{requests * per_request:,}",
+                kind,
+                f"{statistics.median(x.publish_total_ms for x in rs):.1f}",
+                f"{max(x.publish_max_us for x in rs) / 1e3:.2f}",
+                f"{statistics.median(x.publish_p99_us for x in rs):.1f}",
+                engine,
+                max(x.dropped for x in rs),
+                max(x.gaps_seen for x in rs),
+                max(x.resets for x in rs),
+                max(x.recovered for x in rs),
+                f"{max(x.silent for x in rs):,}",
+                f"{max(x.missing + x.stale for x in rs):,}",
+                f"{r.bytes_on_wire / 1e6:.1f}",
+                vs,
             )
 
 
 if __name__ == "__main__":
-    with recording("overload", __doc__ or ""):
-        main()
+    run("overload", __doc__, main)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.compactor import compact
 from coalesce_tools.baselines import REAL_VLLM, DropPublisher, StockPublisher
-from coalesce_tools.results import recording
+from coalesce_tools.results import run
 
 if REAL_VLLM:
     from vllm.distributed import kv_events as vk
@@ -262,5 +262,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with recording("publish", __doc__ or ""):
-        main()
+    run("publish", __doc__, main)

@@ -48,7 +48,7 @@ from bench_compact import alternate, make_batch, seed_batches, workloads
 from coalesce import compactor
 from coalesce.events import BlockStored, KVEventBatch
 from coalesce.testing import Encoder, Recorder
-from coalesce_tools.results import recording
+from coalesce_tools.results import row, run
 
 Window = list[Any]
 
@@ -225,13 +225,15 @@ def main() -> None:
     )
     big = big_state(args.blocks)
     per_block, longest = snapshot_cost(big, 3)
-    print(
-        f"| {args.blocks:,} blocks | {big.held:,} | {per_block * 1e9:.0f} | "
-        f"{longest * 1e3:.2f} | {per_block * big.held:.2f} |",
-        flush=True,
+    total = f"{per_block * big.held:.2f}"
+    row(
+        f"{args.blocks:,} blocks",
+        f"{big.held:,}",
+        f"{per_block * 1e9:.0f}",
+        f"{longest * 1e3:.2f}",
+        total,
     )
 
 
 if __name__ == "__main__":
-    with recording("recorder", __doc__ or ""):
-        main()
+    run("recorder", __doc__, main)

@@ -122,4 +122,3 @@ def demo_main(argv: Sequence[str]) -> int:
     # missing blocks, which it knows it forgot
     ours = [r for r in results if r.publisher == "coalesce"]
     return 0 if all(r.silent == 0 and (r.stale == 0 or r.resets) for r in ours) else 1
-

@@ -16,13 +16,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from coalesce_tools.host import host
 
-__all__ = ["RESULTS", "read_results", "recording", "write_result"]
+__all__ = ["RESULTS", "read_results", "recording", "row", "run", "write_result"]
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -53,6 +53,18 @@ def recording(name: str, method: str, engine: str = "vllm") -> Iterator[dict[str
     figures.setdefault("output", tee.kept.getvalue())
     path = write_result(name, method, figures, engine)
     print(f"result: {os.path.relpath(path)}")
+
+
+def run(name: str, doc: str | None, main: Callable[[], None], engine: str = "vllm") -> None:
+    """A benchmark's entry point: ``main()`` under :func:`recording`, its docstring as
+    the method."""
+    with recording(name, doc or "", engine):
+        main()
+
+
+def row(*cells: object) -> None:
+    """Print one markdown table row of ``cells`` (each as ``str()`` gives it), at once."""
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
 def write_result(name: str, method: str, figures: dict[str, Any], engine: str = "vllm") -> str:
