@@ -18,6 +18,7 @@ import zmq
 from hypothesis import settings
 
 from coalesce.events import KVEventBatch
+from coalesce.publisher import PublishOutcome
 from coalesce.testing import held as held  # (the tests import it from here)
 
 # Hypothesis profiles, one for every test module: "dev" (quick) for a local run, "ci"
@@ -232,3 +233,18 @@ def assert_ours_never_blocks(ours: Any, batches: list[Any]) -> StalledSocket:
     assert not t.is_alive(), "publish() must never block"
     assert ours.stats().batches_dropped == 0, "a late sender loses nothing"
     return stall
+
+
+def publish_both(
+    theirs: Any, ours: Any, batches: list[Any], sub_theirs: Sub, sub_ours: Sub
+) -> None:
+    """Publish each batch (a copy to each) through the engine's own publisher and ours,
+    ours flushed after each (one message a batch); then wait until both subscribers
+    have every message and require them equal, all three frames of each."""
+    for b in batches:
+        theirs.publish(msgspec.structs.replace(b))
+        assert ours.publish(msgspec.structs.replace(b)) is PublishOutcome.QUEUED
+        assert ours.flush(10)
+    sub_theirs.recv_until_seq(len(batches) - 1)
+    sub_ours.recv_until_seq(len(batches) - 1)
+    assert sub_ours.messages == sub_theirs.messages

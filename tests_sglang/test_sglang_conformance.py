@@ -33,6 +33,7 @@ from tests.conftest import (
     free_port,
     held,
     inproc,
+    publish_both,
 )
 
 END = b"\xff" * 8
@@ -161,13 +162,7 @@ def test_uncompacted_messages_and_replays_are_byte_identical_to_sglangs(
     made.append(theirs)
     ours = create(made, 3, endpoint=ep_c, replay_endpoint=rep_c, topic="kv")
     batches = wire_batches()
-    for b in batches:
-        theirs.publish(msgspec.structs.replace(b))
-        assert ours.publish(msgspec.structs.replace(b)) is PublishOutcome.QUEUED
-        assert ours.flush(10)
-    sub_s.recv_until_seq(len(batches) - 1)
-    sub_c.recv_until_seq(len(batches) - 1)
-    assert sub_c.messages == sub_s.messages  # all three frames of every message
+    publish_both(theirs, ours, batches, sub_s, sub_c)
     assert DEC.decode(sub_c.messages[1][2]).events[0].session_id == "s"
     for start in (0, 2, len(batches)):
         assert sub_c.replay(start) == sub_s.replay(start)

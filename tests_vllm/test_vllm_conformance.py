@@ -29,6 +29,7 @@ from tests.conftest import (
     free_port,
     held,
     inproc,
+    publish_both,
     wait_for,
 )
 
@@ -186,13 +187,7 @@ def test_uncompacted_messages_are_byte_identical_to_vllms(enabled, made, make_su
             *[vk.BlockRemoved(block_hashes=[i], medium="GPU") for i in range(600)],
         ),
     ]
-    for b in batches:
-        theirs.publish(msgspec.structs.replace(b))
-        assert ours.publish(msgspec.structs.replace(b)) is PublishOutcome.QUEUED
-        assert ours.flush(10)
-    sub_v.recv_until_seq(len(batches) - 1)
-    sub_c.recv_until_seq(len(batches) - 1)
-    assert sub_c.messages == sub_v.messages  # all three frames of every message
+    publish_both(theirs, ours, batches, sub_v, sub_c)
 
 
 def test_compacted_stream_decodes_with_vllms_types_and_keeps_state(enabled, made, make_sub):
