@@ -25,6 +25,7 @@ def host(engine: str = "vllm") -> dict[str, Any]:
     publishers is the stock one (the real class, or the re-implementation)."""
     from importlib.metadata import version
 
+    from coalesce._recorder import Recorder
     from coalesce._wire import native_send
     from coalesce.compactor import accelerated
     from coalesce_tools.baselines import stock_publisher
@@ -38,6 +39,7 @@ def host(engine: str = "vllm") -> dict[str, Any]:
         "machine": platform.machine(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "c_compactor": accelerated(),
+        "c_recorder": Recorder(1).accelerated,
         "c_send": native_send(),
         "stock_publisher": stock,
     }
@@ -45,7 +47,7 @@ def host(engine: str = "vllm") -> dict[str, Any]:
 
 def describe(h: dict[str, Any]) -> str:
     """One line for the top of a run's output."""
-    built = [name for name in ("c_compactor", "c_send") if h.get(name)]
+    built = [name for name in ("c_compactor", "c_recorder", "c_send") if h.get(name)]
     return (
         f"host: {h['cores']} cores, {h['cpu']}, {h['python']}; C accelerators: "
         f"{', '.join(built) if built else 'none'}; stock publisher: {h['stock_publisher']}"

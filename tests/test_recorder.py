@@ -6,6 +6,7 @@ Every test runs with the recorder's loop in Python (the oracle) and in C
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coalesce import _recorder, compact
+from coalesce._env import NO_ACCEL, switched_on
 from coalesce._recorder import CHUNK_EVENTS, MAX_ID, NEXT, REMOVED_PER_EVENT, Recorder
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
 from coalesce.refmodel import SubscriberModel
@@ -30,6 +32,16 @@ from tests.streams import (
 )
 
 IMPLS = ["py", "c"] if _recorder._accel is not None else ["py"]
+
+
+def test_the_c_loop_is_built_where_it_is_required():
+    if os.environ.get("COALESCE_REQUIRE_ACCEL") and not switched_on(NO_ACCEL):
+        assert _recorder._accel is not None, (
+            "coalesce/_crecord.c was not built, and COALESCE_REQUIRE_ACCEL is set"
+        )
+    assert Recorder(1, accelerated=False).accelerated is False
+
+
 _current = {"accelerated": False}
 
 
