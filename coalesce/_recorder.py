@@ -41,10 +41,11 @@ passes over a large state would otherwise cost the engine's thread); per
 kept source its event (shared, not copied: its hash list is read again for
 the program) and its dependencies.
 
-:meth:`Recorder.record` runs its loop in C (``coalesce/_crecord.c``) where that
-is built: the same steps on the same dicts and lists, so the Python loop here
-is its fallback and the tests' oracle (tests/test_recorder.py runs both).  It
-reads fields by name, not at slot offsets: it assumes no layout.
+:meth:`Recorder.record` runs its loop, and the collection of dropped sources,
+in C (``coalesce/_crecord.c``) where that is built: the same steps on the same
+dicts and tuples, so the Python code here is its fallback and the tests'
+oracle (tests/test_recorder.py runs both).  It reads fields by name, not at
+slot offsets: it assumes no layout.
 """
 
 from __future__ import annotations
