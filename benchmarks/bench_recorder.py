@@ -113,8 +113,8 @@ def engine_loop(batches: list[Any], how: str) -> float:
     wake = threading.Event()
     rec = Recorder(10**7) if how == "record" else None
     dec = msgspec.msgpack.Decoder(type=KVEventBatch) if how == "decode" else None
-    enc = Encoder()
     if dec is not None:
+        enc = Encoder()
         batches = [enc.encode(b) for b in batches]  # (the bytes it sent: encoded beforehand)
 
     def sender() -> None:

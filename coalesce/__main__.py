@@ -183,5 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         snapshots=args.snapshot,
     )
 
+
 if __name__ == "__main__":
     sys.exit(main())

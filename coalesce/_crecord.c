@@ -135,9 +135,6 @@ static int release(PyObject *refs, PyObject *unused, PyObject *sid) {
     return now == 0 ? PyList_Append(unused, sid) : 0;
 }
 
-/* A held key's value as a C integer; -1 with an error if it is not one. */
-static long long value_of(PyObject *v) { return PyLong_AsLongLong(v); }
-
 /* The source id holding `h` in `table`, else in any table of `live`; -1 when
  * none holds it, -2 on an error. */
 static long long held_anywhere(PyObject *live, PyObject *table, PyObject *h) {
@@ -150,7 +147,7 @@ static long long held_anywhere(PyObject *live, PyObject *table, PyObject *h) {
         if (v == NULL && PyErr_Occurred()) return -2;
     }
     if (v == NULL) return -1;
-    long long value = value_of(v);
+    long long value = PyLong_AsLongLong(v);
     return value == -1 && PyErr_Occurred() ? -2 : value >> SHIFT;
 }
 
@@ -181,7 +178,7 @@ static int remove_event(PyObject *ev, PyObject *live, PyObject *refs, PyObject *
             if (PyErr_Occurred()) goto done;
             continue; /* a removal of a key not held is a no-op */
         }
-        long long value = value_of(v);
+        long long value = PyLong_AsLongLong(v);
         if (value == -1 && PyErr_Occurred()) goto done;
         n[COUNTS] -= 1;
         if ((value & COUNT_MASK) > 1) {
@@ -262,7 +259,7 @@ static int store_event(PyObject *ev, PyObject *live, PyObject *sources, PyObject
                     if (PyErr_Occurred()) goto done;
                     continue;
                 }
-                long long value = value_of(held);
+                long long value = PyLong_AsLongLong(held);
                 PyObject *dep = value == -1 && PyErr_Occurred()
                                     ? NULL
                                     : PyLong_FromLongLong(value >> SHIFT);
@@ -312,7 +309,7 @@ static int store_event(PyObject *ev, PyObject *live, PyObject *sources, PyObject
         if (v == NULL) {
             if (PyErr_Occurred()) goto done;
         } else {
-            value = value_of(v);
+            value = PyLong_AsLongLong(v);
             if (value == -1 && PyErr_Occurred()) goto done;
         }
         PyObject *now_v = PyLong_FromLongLong(mine | ((value & COUNT_MASK) + 1));

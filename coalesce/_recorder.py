@@ -66,7 +66,7 @@ CHUNK_EVENTS = 256
 CHUNK_TOKENS = 65_536
 """Tokens per snapshot chunk (a chunk still holds one whole store, however long)."""
 CHUNK_WORK = 2048
-"""Keys looked at per chunk while writing the program (a chunk may be empty then)."""
+"""Hashes looked at per chunk while writing the program (a chunk may be empty then)."""
 REMOVED_PER_EVENT = 1024
 """Hashes per corrective ``BlockRemoved`` (only removals are ever split)."""
 

@@ -80,7 +80,6 @@ def _truncate_store(ev: Any, keep: int) -> Any:
     return msgspec.structs.replace(ev, **changes)
 
 
-
 def _supersede(events: list[Any], counts: Counter[str]) -> list[Any]:
     last_clear = -1
     for i in range(len(events) - 1, -1, -1):
@@ -495,7 +494,6 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
     if chain is not None:
         out.append(chain.build())
     return out
-
 
 
 def compact_events(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:

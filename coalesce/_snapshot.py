@@ -183,8 +183,7 @@ class SnapshotService:
             log.info("kv-coalesce: the snapshot recorder is exact again (after a clear)")
         else:
             log.warning(
-                "kv-coalesce: snapshots unavailable (%s): until the next AllBlocksCleared "
-                "if only the GPU tier was ever stored, else for this publisher's life",
+                "kv-coalesce: snapshots unavailable (%s) until the next AllBlocksCleared",
                 rec.reason,
             )
 

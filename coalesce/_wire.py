@@ -176,20 +176,12 @@ def message_sender(sock: zmq.Socket[bytes], tail: bytes = b"") -> SendMessage:
             def send_native(topic: bytes, seq: int, payload: bytes) -> None:
                 if sock.closed:  # its handle is freed: never pass it on
                     raise zmq.ZMQError(zmq.ENOTSOCK)
-                err = send(handle, topic, seq, payload)
-                if err:
-                    raise zmq.ZMQError(err)
-
-            def send_native_tail(topic: bytes, seq: int, payload: bytes) -> None:
-                if sock.closed:
-                    raise zmq.ZMQError(zmq.ENOTSOCK)
                 err = send(handle, topic, seq, payload, tail)
                 if err:
                     raise zmq.ZMQError(err)
 
-            chosen = send_native_tail if tail else send_native
-            _NATIVE_SENDS.add(chosen)
-            return chosen
+            _NATIVE_SENDS.add(send_native)
+            return send_native
 
     def send_pyzmq(topic: bytes, seq: int, payload: bytes) -> None:
         send_message(sock, topic, seq, payload, tail)

@@ -81,6 +81,7 @@ __all__ = [
     "rule_stats",
 ]
 
+
 # Fields that hold one entry per block, or describe the chain: they are what a
 # chain merge concatenates, so they are not part of the "all other fields equal" test.
 def _rule(stat: str, doc: str) -> Any:

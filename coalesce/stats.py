@@ -48,9 +48,7 @@ class PublisherStats:
     loss_markers: int = _counter(
         "Loss markers sent: AllBlocksCleared batches, each in place of a loss (loss_marker=clear)."
     )
-    resyncs: int = _counter(
-        "In-band resyncs sent whole after a loss marker (loss_marker=resync)."
-    )
+    resyncs: int = _counter("In-band resyncs sent whole after a loss marker (loss_marker=resync).")
     resync_events: int = _counter("Events those resyncs sent (stores of the recorded state).")
     messages_sent: int = _counter("ZMQ messages (batches) sent on the PUB socket.")
     events_sent: int = _counter("Events in those messages.")
@@ -64,8 +62,7 @@ class PublisherStats:
         "Compaction steps whose result was sent (every rule, or fold only)."
     )
     fold_only_passes: int = _counter(
-        "Of those, steps at the fold-only level (4x larger windows, while flushing "
-        "at shutdown)."
+        "Of those, steps at the fold-only level (4x larger windows, while flushing at shutdown)."
     )
     rules_skipped: int = _counter(
         "Windows at the rules level only folded: on this stream the rules were timed "
