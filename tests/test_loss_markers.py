@@ -56,13 +56,15 @@ class FrozenClock:
 
 
 def run(
-    loss_marker: str, after: int = 31
+    loss_marker: str, after: int = 31, snapshots: bool = False
 ) -> tuple[LlmdRulesConsumer, set[Any], CoalescingPublisher]:
-    """31 steps, 23 with the sender held (most refused), then ``after`` steps."""
+    """31 steps, 23 with the sender held (most refused), then ``after`` steps;
+    ``snapshots``: with a snapshot endpoint (24-byte live seq frames, heartbeats)."""
     port, rport = free_port(), free_port()
     pub = CoalescingPublisher(
         endpoint=f"tcp://*:{port}",
         replay_endpoint=f"tcp://*:{rport}",
+        snapshot_endpoint=f"tcp://*:{free_port()}" if snapshots else None,
         max_queue_size=3,
         high_watermark=1,
         stall_timeout=0,
@@ -91,8 +93,15 @@ def run(
                 consumer.poll(0.001)
             i += n
         last = pub.stats().messages_sent + pub.stats().seq_gaps - 1
+
+        def reached() -> bool:
+            seen = consumer.last_live_seq
+            if snapshots:  # (an idle second adds a heartbeat after it)
+                return seen is not None and seen >= last
+            return seen == last
+
         wait_for(
-            lambda: consumer.poll(0.01) >= 0 and consumer.last_live_seq == last,
+            lambda: consumer.poll(0.01) >= 0 and reached(),
             what="the consumer to see the last message",
         )
         consumer.poll(0.05)
@@ -106,6 +115,20 @@ def test_a_loss_marker_keeps_llmd_contiguous_and_never_stale():
     consumer, want, pub = run("clear")
     st = pub.stats()
     assert st.batches_dropped > 0 and st.loss_markers >= 1 and st.seq_gaps == 0
+    assert consumer.incomplete_replays == 0 and consumer.resets == 0
+    assert consumer.dropped_in_cooldown == 0 and consumer.clears == st.loss_markers
+    held_now = consumer.held()
+    assert held_now <= want, f"stale blocks: {sorted(held_now - want)}"
+    assert len(held_now) * 2 >= len(want), "it forgot the loss, then refilled"
+
+
+def test_with_snapshots_on_llmds_rules_read_24_byte_seq_frames_as_without():
+    """llm-d-router (main, ebab687, pkg/kvevents/zmq_subscriber.go) takes the seq
+    from the first 8 bytes of the seq frame: the marker keeps it contiguous and
+    never stale, as with snapshots off."""
+    consumer, want, pub = run("clear", snapshots=True)
+    st = pub.stats()
+    assert pub.publisher_id is not None and st.batches_dropped > 0 and st.loss_markers >= 1
     assert consumer.incomplete_replays == 0 and consumer.resets == 0
     assert consumer.dropped_in_cooldown == 0 and consumer.clears == st.loss_markers
     held_now = consumer.held()
@@ -131,9 +154,11 @@ def test_a_marker_is_a_batch_of_one_clear_for_the_rank():
     try:
         sub = Sub(f"tcp://127.0.0.1:{pub.config.endpoint.rsplit(':', 1)[1]}")
         wait_for(
-            lambda: pub.publish(KVEventBatch(0.0, [])) is PublishOutcome.QUEUED
-            and pub.flush(5.0)
-            and not sub.nothing_within(0.01),
+            lambda: (
+                pub.publish(KVEventBatch(0.0, [])) is PublishOutcome.QUEUED
+                and pub.flush(5.0)
+                and not sub.nothing_within(0.01)
+            ),
             what="the subscriber to join",
         )
         with held(pub):
