@@ -2,22 +2,16 @@
 
 For each workload, the windows the sender's rules level would take (batches in
 publish order until ``--window`` events, the default ``max_events_per_step``)
-go through four paths, timed in alternation and reported as medians:
+go through five paths, timed in alternation and reported as medians:
 
 - ``raw``: every batch encoded on its own (what vLLM's sender encodes);
-- ``fold``: the sender's fold-only level (under pressure): ``compact(fold_only=True)``,
-  then encode, except a window of big batches (``FOLD_GAINS_BELOW`` events
-  each on average), which it encodes batch by batch;
+- ``fold``: the sender's fold-only level (the shutdown flush):
+  ``compact(fold_only=True)``, then encode;
 - ``rules C``: ``compact()`` with the C accelerator, then encode;
 - ``rules C wire``: ``compact_for_wire()`` (the merged lists written as their
-  encoding, in C), then encode: what the sender runs when no snapshot
-  recorder reads the result;
+  encoding, in C), then encode: what the sender's rules level runs when no
+  snapshot recorder reads the result;
 - ``rules py``: ``compact()`` with the pure-Python rules, then encode;
-- ``level``: what the sender's rules level does (object path): for each window,
-  the rules (C, ``compact_for_wire``) or the fold, as its ``Payoff`` chooses
-  from the windows timed before (now and then the other way); ``rules ran`` is
-  the share of windows that ran the rules.  (The sender's fold way takes 4x
-  larger windows; here every path gets the same windows).
 
 The target (issue 8) is compaction plus encoding at most 1.0x ``raw`` with events at most
 0.5x and bytes at most 0.8x of raw.  Output: a markdown table for
@@ -45,7 +39,7 @@ from bench_publish import make_batch
 
 from coalesce import compactor
 from coalesce.events import KVEventBatch
-from coalesce.testing import Payoff, folding_pays, without_accelerator
+from coalesce.testing import without_accelerator
 from coalesce_tools.results import row, run
 from coalesce_tools.workload import Engine, WorkloadConfig
 
@@ -87,21 +81,15 @@ def workloads(limit: int) -> dict[str, list[Window]]:
     }
 
 
-def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable[[Window], Any]]:
-    """The paths, each a function of one window; ``level`` adds to ``tally``
-    ([windows whose rules ran, windows])."""
+def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
+    """The paths, each a function of one window."""
     accel = compactor.accelerated()
 
     def raw(w: Window) -> Any:
         return [enc.encode(b) for b in w]
 
-    def fold_all(w: Window) -> Any:
+    def fold(w: Window) -> Any:
         return [enc.encode(b) for b in compactor.compact(w, fold_only=True)[0]]
-
-    def fold(w: Window) -> Any:  # the sender's fold-only level at its defaults
-        if folding_pays(sum(len(b.events) for b in w), len(w)):
-            return fold_all(w)
-        return raw(w)  # big batches: sent as they are
 
     def rules_c(w: Window) -> Any:
         return [enc.encode(b) for b in compactor.compact(w)[0]]
@@ -113,27 +101,15 @@ def _paths(enc: msgspec.msgpack.Encoder, tally: list[int]) -> dict[str, Callable
         with without_accelerator():
             return [enc.encode(b) for b in compactor.compact(w)[0]]
 
-    payoff = Payoff()
-
-    def level(w: Window) -> Any:  # as Sender._send_object_window at the rules level
-        rules = payoff.rules_next()
-        t0 = time.perf_counter()
-        out = rules_wire(w) if rules else fold(w)
-        payoff.record(rules, (time.perf_counter() - t0) / sum(len(b.events) for b in w))
-        tally[0] += rules
-        tally[1] += 1
-        return out
-
     paths = {
         "raw": raw,
         "fold": fold,
         "rules C": rules_c,
         "rules C wire": rules_wire,
-        "level": level,
         "rules py": rules_py,
     }
     if not accel:
-        for name in ("rules C", "rules C wire", "level"):
+        for name in ("rules C", "rules C wire"):
             del paths[name]
     return paths
 
@@ -171,18 +147,15 @@ def alternate(
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def measure(windows: list[Window], seconds: float, rounds: int) -> tuple[dict[str, float], float]:
-    """Median seconds per event of each path over all the windows (see :func:`alternate`),
-    and the share of windows whose rules ran at the ``level`` path."""
-    tally = [0, 0]
+def measure(windows: list[Window], seconds: float, rounds: int) -> dict[str, float]:
+    """Median seconds per event of each path over all the windows (see :func:`alternate`)."""
 
     def over_windows(fn: Callable[[Window], Any]) -> Callable[[], Any]:
         return lambda: [fn(w) for w in windows]
 
-    paths = {k: over_windows(fn) for k, fn in _paths(msgspec.msgpack.Encoder(), tally).items()}
+    paths = {k: over_windows(fn) for k, fn in _paths(msgspec.msgpack.Encoder()).items()}
     events = sum(len(b.events) for w in windows for b in w)
-    per = alternate(paths, events, seconds, rounds, slow={"rules py": 20})
-    return per, tally[0] / max(tally[1], 1)
+    return alternate(paths, events, seconds, rounds, slow={"rules py": 20})
 
 
 def volume(windows: list[Window]) -> tuple[float, float]:
@@ -213,18 +186,16 @@ def main() -> None:
     )
     print(
         "| workload | batches/window | raw encode ns/event | fold+enc | rules C+enc "
-        "| rules C wire+enc "
-        "| rules level | rules ran | rules py+enc | events out | bytes out |"
+        "| rules C wire+enc | rules py+enc | events out | bytes out |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
-        per, ran = measure(windows, args.seconds, args.rounds)
+        per = measure(windows, args.seconds, args.rounds)
         events, nbytes = volume(windows)
         raw = per["raw"]
         c = f"{per['rules C'] / raw:.2f}x" if "rules C" in per else "n/a"
         cw = f"{per['rules C wire'] / raw:.2f}x" if "rules C wire" in per else "n/a"
-        lv = f"{per['level'] / raw:.2f}x | {ran:.0%}" if "level" in per else "n/a | n/a"
         bpw = statistics.mean(len(w) for w in windows)
         fold, py = f"{per['fold'] / raw:.2f}x", f"{per['rules py'] / raw:.1f}x"
         row(
@@ -234,7 +205,6 @@ def main() -> None:
             fold,
             c,
             cw,
-            lv,
             py,
             f"{events:.2f}",
             f"{nbytes:.2f}",

@@ -23,15 +23,11 @@ any run:
 - ``compaction off``: ``compaction=False`` (every batch sent 1:1);
 - ``pyzmq sends``: ``COALESCE_PYZMQ_SEND=1``, pyzmq's sends instead of the
   native send that keeps the GIL;
-- ``rules untimed``: the rules on every window at the rules level, instead of
-  only while timed no dearer than folding (``Payoff``);
 - ``no widening``: ``WIDEN_UP_TO=1``, rules windows of ``max_events_per_step``;
 - ``no pressure slice``: ``PRESSURE_FROM`` past the budget, so the sender
   never takes the longer GIL slice;
 - ``no whole sends``: ``WHOLE_FROM`` past the budget, so a big batch is always
-  compacted in parts;
-- ``fold big batches``: ``FOLD_GAINS_BELOW`` past any batch, so fold-only
-  windows are always folded.
+  compacted in parts.
 
 Columns, for a burst: the engine loop's wall time (what the sender took from
 the engine), the time ``flush()`` then took to send what was left, the p99 of
@@ -52,11 +48,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "compaction off": {"env": {"COALESCE_COMPACTION": "0"}},
     "pyzmq sends": {"env": {"COALESCE_PYZMQ_SEND": "1"}},
-    "rules untimed": {"policy": {"timed_rules": False}},
     "no widening": {"policy": {"WIDEN_UP_TO": 1}},
     "no pressure slice": {"policy": {"PRESSURE_FROM": 1e9}},
     "no whole sends": {"policy": {"WHOLE_FROM": 1e9}},
-    "fold big batches": {"policy": {"FOLD_GAINS_BELOW": 1e18}},
 }
 
 SCENARIOS: dict[str, tuple[str, int, int]] = {

@@ -1,5 +1,5 @@
 """The sender's policy: when it hands the GIL back, how wide a rules window is, when
-it folds, when it sends a batch whole.  Pure: numbers in, a decision out; the time is
+it sends a batch whole.  Pure: numbers in, a decision out; the time is
 passed in by the caller, so the tests drive it with a fake clock and no thread.
 
 The constants are this project's 2-core VM's measurements (docs/decisions.md says
@@ -9,34 +9,19 @@ which were judged where); each function is O(1).
 from __future__ import annotations
 
 __all__ = [
-    "FOLD_GAINS_BELOW",
+    "COST_SAMPLES",
     "PRESSURE_FROM",
     "PRESSURE_SLICE",
     "WHOLE_FROM",
     "WIDEN_UP_TO",
     "YIELD_EVERY",
     "GilSlice",
-    "folding_pays",
+    "RulesCost",
     "pressed",
     "rules_window",
     "sends_whole",
     "yield_slice",
 ]
-
-FOLD_GAINS_BELOW = 256
-"""Events per batch (a window's mean) under which folding a fold-only window pays.
-Folding saves one message per batch folded (the sends, an encoder call, a
-replay entry) and costs a classifying pass and a list copy per event; at about
-256 events a batch the two are even (docs/benchmarks.md), and above it each
-batch is sent as it is."""
-
-
-def folding_pays(events: int, batches: int) -> bool:
-    """Whether a window that is only folded (at the fold-only level, or the rules
-    level's fold-only way) of ``batches`` holding ``events`` is folded, or sent
-    batch by batch."""
-    return events < FOLD_GAINS_BELOW * batches
-
 
 YIELD_EVERY = 0.0005
 """Seconds of continuous sender work after which it hands the GIL to the engine.
@@ -61,6 +46,33 @@ than a window as it is, in one encode (:func:`sends_whole`)."""
 WIDEN_UP_TO = 4
 """At most this many times ``max_events_per_step`` in one rules window, when the
 rest of the sender's GIL slice holds them at the rules' measured cost."""
+
+
+COST_SAMPLES = 7
+"""Rules windows whose cost :class:`RulesCost` remembers; their median sizes the next
+window (one slow, preempted window does not)."""
+
+
+class RulesCost:
+    """The rules' cost per event on this stream: the median of the last
+    :data:`COST_SAMPLES` rules windows (compaction and encoding, timed by the
+    caller).  :meth:`record` and :meth:`median` are O(:data:`COST_SAMPLES`)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: list[float] = []
+
+    def record(self, seconds_per_event: float) -> None:
+        last = self._last
+        last.append(seconds_per_event)
+        if len(last) > COST_SAMPLES:
+            del last[0]
+
+    def median(self) -> float | None:
+        """None until a window was timed."""
+        last = self._last
+        return sorted(last)[len(last) // 2] if last else None
 
 
 def rules_window(step: int, cost: float | None, room: float) -> int:
@@ -98,8 +110,7 @@ def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
 def pressed(pending_events: int, budget: int, losing: bool) -> bool:
     """Whether the sender is pressed, O(1): losing ground with more than
     ``PRESSURE_FROM`` of the event budget pending.  Then it takes the longer GIL
-    slice (:func:`yield_slice`) and the cheaper way of the rules level at any
-    margin (``Payoff.record``): the next batches would be refused."""
+    slice (:func:`yield_slice`): the next batches would be refused."""
     return losing and pending_events > PRESSURE_FROM * budget
 
 
@@ -143,10 +154,6 @@ class GilSlice:
     def length(self, pending: int) -> float:
         """:func:`yield_slice` for this turn."""
         return yield_slice(pending, self.budget, self.losing)
-
-    def pressed(self, pending: int) -> bool:
-        """:func:`pressed` for this turn."""
-        return pressed(pending, self.budget, self.losing)
 
     def room(self, now: float, pending: int) -> float:
         """Seconds left in this turn at ``now`` (negative once it is over)."""

@@ -30,11 +30,10 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
-from coalesce._payoff import Payoff
 from coalesce._policy import (
     YIELD_EVERY,
     GilSlice,
-    folding_pays,
+    RulesCost,
     rules_window,
     sends_whole,
 )
@@ -134,8 +133,7 @@ class Sender:
         """What a loss's log line says subscribers learn (``loss_marker``; the facade's
         drop warning says it too)."""
         self._level = Level.ONE_TO_ONE
-        self._payoff = Payoff()  # whether the rules level's rules pay (object path)
-        self._payoff_big = Payoff()  # the same, on single batches larger than a window
+        self._rules_cost = RulesCost()  # sizes the rules windows
         self._gil = GilSlice(backlog.max_events)
         self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
@@ -283,16 +281,12 @@ class Sender:
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
         Above it: fold, ``max_events_per_step`` events at a time (up to
         ``WIDEN_UP_TO`` x as many while the rest of the slice holds them:
-        :func:`rules_window`), and apply every rule.  On the event objects (the
-        default) the rules run only while they are not timed clearly dearer
-        than folding alone on this stream (:mod:`coalesce._payoff`); otherwise
-        the window, 4x larger, is only folded, as at the fold-only level (a
-        window of big batches, ``FOLD_GAINS_BELOW``, is sent batch by batch).
-        A single batch larger than a window is compacted in parts of a window
-        each under the same test, or encoded as it is (one encode: the longest
-        GIL hold; past ``WHOLE_FROM`` of the budget, with the next batch
-        folded in: :func:`sends_whole`).  Flushing (``shutdown()``) is at the
-        fold-only level.
+        :func:`rules_window`), and apply every rule.  A single batch larger
+        than a window is compacted in parts of a window each, or encoded as it
+        is (one encode: the longest GIL hold; past ``WHOLE_FROM`` of the
+        budget, with the next batch folded in: :func:`sends_whole`).  Flushing
+        (``shutdown()``) is at the fold-only level: windows 4x larger, only
+        folded.
         Past ``high_watermark`` batches in the hand-off deque, the sender
         first moves them to its staging deque, so that the
         batch budget (vLLM's ``max_queue_size``) is reached only by a sender
@@ -325,19 +319,15 @@ class Sender:
             self._send_taken(item[0], item[1])
             self._record_sent([item[0]])
             return
-        step = settings.max_events_per_step * (4 if level == Level.FOLD_ONLY else 1)
-        rules = level == Level.RULES and self._payoff.rules_next()
-        if level == Level.RULES and not rules:
-            step *= 4  # the fold-only way: the fold-only level's windows
-        elif rules:
-            step = self._rules_window(step)
+        step = settings.max_events_per_step
+        step = 4 * step if level == Level.FOLD_ONLY else self._rules_window(step)
         window = backlog.take(step)
         if is_loss(window):
             self._lost(window)
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
-        self._record_sent(self._send_object_window(window, level, step, rules))
+        self._record_sent(self._send_window(window, level, step))
         self.done += len(window)
         self._in_flight = (0, 0)
 
@@ -345,7 +335,7 @@ class Sender:
         """:func:`rules_window` for this moment: the rest of this slice, the rules'
         median cost on this stream.  O(1)."""
         room = self._gil.room(time.perf_counter(), self._pending_for_budget())
-        return rules_window(step, self._payoff.costs()[0], room)
+        return rules_window(step, self._rules_cost.median(), room)
 
     def _stage_if_behind(self) -> None:
         """Under pressure, free the batch budget (O(1) per batch staged)."""
@@ -360,45 +350,32 @@ class Sender:
         for b in batches:
             record(b)
 
-    def _send_object_window(
-        self, window: list[Any], level: Level, step: int, rules: bool
-    ) -> list[Any]:
-        """The rules on the event objects (C or Python), then encode.  Returns the
-        batches the recorder must see.
-
-        At the rules level the rules run only while they are not clearly dearer
-        than folding alone, as timed on this stream's recent windows
-        (:mod:`coalesce._payoff`); otherwise the window is only folded
-        (``rules_skipped``)."""
-        if level == Level.RULES and len(window) == 1 and _n_events(window[0]) > step:
+    def _send_window(self, window: list[Any], level: Level, step: int) -> list[Any]:
+        """The rules (or, at the fold-only level, the fold) on the event objects (C
+        or Python), then encode.  Returns the batches the recorder must see."""
+        rules = level == Level.RULES
+        if rules and len(window) == 1 and _n_events(window[0]) > step:
             return self._send_big(window[0], self._settings.max_events_per_step)
-        if level == Level.FOLD_ONLY and len(window) == 1:
+        if not rules and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
             self._send_one(window[0], self._in_flight[1])
             return window
-        fold_pays = folding_pays(self._in_flight[1], len(window))
         t0 = time.perf_counter()
-        if not rules and not fold_pays:  # big batches: folding them costs more than it saves
-            out, rep = window, None
-        else:
-            try:
-                out, rep = self._compact(window, fold_only=not rules)
-            except Exception as exc:  # a value the rules cannot handle: send the window as given
-                self._compaction_failed(exc)
-                self._send_each(window)
-                return window
+        try:
+            out, rep = self._compact(window, fold_only=not rules)
+        except Exception as exc:  # a value the rules cannot handle: send the window as given
+            self._compaction_failed(exc)
+            self._send_each(window)
+            return window
         payloads = self._encode_all(out)
         if payloads is None:  # one would not encode: the originals one by one
             self._send_each(window)
             return window
-        if level == Level.RULES:  # compaction and encoding, both holding the GIL
-            cost = (time.perf_counter() - t0) / max(self._in_flight[1], 1)
-            self._payoff.record(rules, cost, self._pressed())
-            self.totals.rules_skipped += not rules
+        if rules:  # compaction and encoding, both holding the GIL: the next window's width
+            self._rules_cost.record((time.perf_counter() - t0) / max(self._in_flight[1], 1))
         for b, payload in zip(out, payloads, strict=True):
             self._emit(payload, _n_events(b))
-        if rep is not None:
-            self.totals.add_pass(rep, fold_only=level == Level.FOLD_ONLY)
+        self.totals.add_pass(rep, fold_only=not rules)
         return out
 
     def _compact(self, window: list[Any], fold_only: bool) -> tuple[list[Any], Any]:
@@ -412,33 +389,21 @@ class Sender:
     def _send_big(self, batch: Any, step: int) -> list[Any]:
         """One batch larger than a window, at the rules level: the rules on each
         ``step`` events of it in turn (each a batch of its own, sent in order,
-        the GIL handed over between them), while they pay on such batches
-        (a :class:`Payoff` of their own) and the backlog is not near the event
-        budget; else sent as it is, in one encode (near the budget,
+        the GIL handed over between them) while the backlog is not near the
+        event budget; else sent as it is, in one encode (near the budget,
         :func:`sends_whole`, with the next batch waiting folded into it).
         Returns the batches the recorder must see."""
         n = self._in_flight[1]
-        if self._sends_whole():  # the engine goes at the sender's pace (not timed)
+        if self._sends_whole():  # the engine goes at the sender's pace
             return self._send_whole(batch, n)
-        events = batch.events
-        # (not a KV batch: never cut in parts; the check, O(events) in C, only when
-        # the rules would run)
-        if not (self._payoff_big.rules_next() and compactable(batch)):
-            t0 = time.perf_counter()
-            encoded = self._encode_all([batch])
-            if encoded is None:
-                self._send_one(batch, n)  # lost, visibly
-                return [batch]
-            self._payoff_big.record(False, (time.perf_counter() - t0) / max(n, 1), self._pressed())
-            self._emit(encoded[0], n)
+        if not compactable(batch):  # not a KV batch (O(events) in C): never cut in parts
+            self._send_one(batch, n)
             return [batch]
+        events = batch.events
         sent: list[Any] = []
-        spent = 0.0
         for i in range(0, len(events), step):
-            t0 = time.perf_counter()
             part = msgspec.structs.replace(batch, events=events[i : i + step])
             out, payloads, rep = self._compact_encode([part], fold_only=False)
-            spent += time.perf_counter() - t0
             if payloads is None:  # this part as given (encoded, or lost visibly)
                 self._send_one(part, len(part.events))
                 sent.append(part)
@@ -447,7 +412,6 @@ class Sender:
                 sent += out
             self._maybe_yield()
             self._stage_if_behind()  # between parts, keep the batch budget free (as _step)
-        self._payoff_big.record(True, spent / max(n, 1), self._pressed())
         return sent
 
     def _send_whole(self, batch: Any, n: int) -> list[Any]:
@@ -554,14 +518,6 @@ class Sender:
         time.sleep(0)
         # what the engine published while it had the GIL is in: a new turn
         gil.handed_over(time.perf_counter(), self._pending_for_budget())
-
-    def _slice(self) -> float:
-        """:func:`~coalesce._policy.yield_slice` now.  O(1)."""
-        return self._gil.length(self._pending_for_budget())
-
-    def _pressed(self) -> bool:
-        """:func:`~coalesce._policy.pressed` now.  O(1)."""
-        return self._gil.pressed(self._pending_for_budget())
 
     def _sends_whole(self) -> bool:
         """:func:`sends_whole` now.  O(1)."""

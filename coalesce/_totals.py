@@ -63,7 +63,6 @@ class Totals:
     fold_only_passes: int = 0
     resync_events: int = 0
     resyncs: int = 0
-    rules_skipped: int = 0
 
     def add_pass(self, report: Any, fold_only: bool) -> None:
         self.compaction_passes += 1

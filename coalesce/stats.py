@@ -64,10 +64,6 @@ class PublisherStats:
     fold_only_passes: int = _counter(
         "Of those, steps at the fold-only level (4x larger windows, while flushing at shutdown)."
     )
-    rules_skipped: int = _counter(
-        "Windows at the rules level only folded: on this stream the rules were timed "
-        "clearly dearer than folding alone (docs/backpressure.md)."
-    )
     backlog_batches: int = _gauge("Batches waiting for the sender right now (staged or not).")
     backlog_events: int = _gauge(
         "Events waiting for the sender right now (what max_pending_events bounds)."

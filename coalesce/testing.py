@@ -14,8 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from coalesce import _policy, compactor
-from coalesce._payoff import Payoff
-from coalesce._policy import folding_pays
 from coalesce._recorder import Recorder
 from coalesce._sender import IDLE_POLL
 from coalesce._wire import Encoder
@@ -24,45 +22,35 @@ __all__ = [
     "IDLE_POLL",
     "POLICY",
     "Encoder",
-    "Payoff",
     "Recorder",
-    "folding_pays",
     "held",
     "policy",
     "tap_sends",
     "without_accelerator",
 ]
 
-POLICY = frozenset(
-    {"FOLD_GAINS_BELOW", "PRESSURE_FROM", "PRESSURE_SLICE", "WHOLE_FROM", "WIDEN_UP_TO"}
-)
+POLICY = frozenset({"PRESSURE_FROM", "PRESSURE_SLICE", "WHOLE_FROM", "WIDEN_UP_TO"})
 """The sender's tuning constants :func:`policy` may set (coalesce/_policy.py)."""
 
 
 @contextmanager
-def policy(*, timed_rules: bool = True, **constants: float) -> Iterator[None]:
+def policy(**constants: float) -> Iterator[None]:
     """Run the sender with some of its tuning changed, for an A/B; restored on exit.
 
     ``constants``: names in :data:`POLICY` and their values, read by every sender
-    of this process while the block runs.  ``timed_rules=False``: at the rules level
-    every window runs the rules, instead of only while they are timed no dearer than
-    folding alone (:class:`Payoff`).  Raises ``ValueError`` for any other name.
+    of this process while the block runs.  Raises ``ValueError`` for any other name.
     """
     unknown = set(constants) - POLICY
     if unknown:
         raise ValueError(f"not a policy constant: {sorted(unknown)} (known: {sorted(POLICY)})")
     saved = {name: getattr(_policy, name) for name in constants}
-    rules_next = Payoff.rules_next
     try:
         for name, value in constants.items():
             setattr(_policy, name, value)
-        if not timed_rules:
-            Payoff.rules_next = lambda self: True  # type: ignore[method-assign]
         yield
     finally:
         for name, value in saved.items():
             setattr(_policy, name, value)
-        Payoff.rules_next = rules_next  # type: ignore[method-assign]
 
 
 @contextmanager
