@@ -40,7 +40,7 @@ from bench_publish import make_batch
 from coalesce import compactor
 from coalesce.events import KVEventBatch
 from coalesce.testing import without_accelerator
-from coalesce_tools.results import row, run
+from coalesce_tools.results import header, row, run
 from coalesce_tools.workload import Engine, WorkloadConfig
 
 Window = list[Any]
@@ -184,11 +184,17 @@ def main() -> None:
         f"accelerator {'built' if compactor.accelerated() else 'MISSING'}, "
         f"window {args.window} events, {args.rounds} rounds x {args.seconds} s, medians\n"
     )
-    print(
-        "| workload | batches/window | raw encode ns/event | fold+enc | rules C+enc "
-        "| rules C wire+enc | rules py+enc | events out | bytes out |"
+    header(
+        "workload",
+        "batches/window",
+        "raw encode ns/event",
+        "fold+enc",
+        "rules C+enc",
+        "rules C wire+enc",
+        "rules py+enc",
+        "events out",
+        "bytes out",
     )
-    print("|---|---|---|---|---|---|---|---|---|")
     gc.collect()
     for name, windows in workloads(args.window).items():
         per = measure(windows, args.seconds, args.rounds)

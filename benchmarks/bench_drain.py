@@ -37,7 +37,7 @@ from bench_publish import make_batch
 
 from coalesce import CoalescingPublisher
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
-from coalesce_tools.results import row, run
+from coalesce_tools.results import header, row, run
 
 _ENC = msgspec.msgpack.Encoder()
 
@@ -104,11 +104,16 @@ def main() -> None:
         f"{'real vLLM' if REAL_VLLM else 're-implementation'}; engine idle; medians of "
         f"{args.repeats} alternating runs\n"
     )
-    print(
-        "| workload | batches | events | stock Mev/s | coalesce / stock | wire bytes vs stock "
-        "| engine CPU vs stock | engine CPU vs raw encode |"
+    header(
+        "workload",
+        "batches",
+        "events",
+        "stock Mev/s",
+        "coalesce / stock",
+        "wire bytes vs stock",
+        "engine CPU vs stock",
+        "engine CPU vs raw encode",
     )
-    print("|---|---|---|---|---|---|---|---|")
     kinds = ("stock", "coalesce")
     for name, blocks, n in (("big (~110 events)", 37, 12_000), ("small (~20 events)", 7, 60_000)):
         batches = [make_batch(i, blocks) for i in range(n)]

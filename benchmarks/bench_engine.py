@@ -46,7 +46,7 @@ from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 from coalesce import CoalescingPublisher
 from coalesce.testing import IDLE_POLL
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
-from coalesce_tools.results import row, run
+from coalesce_tools.results import header, row, run
 
 KINDS = ("stock", "coalesce", "coalesce+snap")
 FLOORS = ("floor: call", "floor: wake")
@@ -191,11 +191,16 @@ def main() -> None:
         f"effective); medians of {args.rounds} alternated rounds"
         f"{'; engine thread pinned to a core of its own' if args.pin else ''}\n"
     )
-    print(
-        "| events/step | load | publisher | loop ms | engine vs stock | p50 us | p99 us "
-        "| stock blocked |"
+    header(
+        "events/step",
+        "load",
+        "publisher",
+        "loop ms",
+        "engine vs stock",
+        "p50 us",
+        "p99 us",
+        "stock blocked",
     )
-    print("|---|---|---|---|---|---|---|---|")
     for blocks in (7, 37, 148):
         events = len(make_batch(args.steps // 2, blocks).events)
         runs: dict[str, list[tuple[float, float, float, int]]] = {k: [] for k in kinds}

@@ -28,7 +28,7 @@ from coalesce_tools.demo import (
     run_publisher,
     stock_capacity_per_step,
 )
-from coalesce_tools.results import row, run
+from coalesce_tools.results import header, row, run
 from coalesce_tools.workload import WorkloadConfig
 
 
@@ -77,12 +77,23 @@ def main() -> None:
         f"max_queue_size={args.queue}; stock sender "
         f"capacity {cap:,.0f} events per GPU wait\n"
     )
-    print(
-        "| overload | events/burst step | publisher | stall ms | worst publish ms | p99 us "
-        "| engine vs stock | dropped | gaps seen | resets | recovered | silent divergence "
-        "| final divergence | wire MB | wire vs stock |"
+    header(
+        "overload",
+        "events/burst step",
+        "publisher",
+        "stall ms",
+        "worst publish ms",
+        "p99 us",
+        "engine vs stock",
+        "dropped",
+        "gaps seen",
+        "resets",
+        "recovered",
+        "silent divergence",
+        "final divergence",
+        "wire MB",
+        "wire vs stock",
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for load in (float(x) for x in args.loads.split(",")):
         requests = max(1, round(load * cap / per_request))
         cfg = replace(base, burst_requests=requests)

@@ -163,6 +163,8 @@ def child(variant: str, scenario: str) -> None:
 
 
 def main() -> None:
+    from coalesce_tools.results import header
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", action="append", choices=list(VARIANTS), help="these variants")
@@ -179,11 +181,16 @@ def main() -> None:
         f"burst of 120 steps; medians of {args.runs} alternated runs, refused: the most "
         "in a run\n"
     )
-    print(
-        "| scenario | variant | engine loop s (drain: s) | vs defaults | drain after s "
-        "(drain: Mev/s) | p99 publish us | refused | messages |"
+    header(
+        "scenario",
+        "variant",
+        "engine loop s (drain: s)",
+        "vs defaults",
+        "drain after s (drain: Mev/s)",
+        "p99 publish us",
+        "refused",
+        "messages",
     )
-    print("|---|---|---|---|---|---|---|---|")
     for scenario in args.scenario or SCENARIOS:
         rows: dict[str, list[list[float]]] = {k: [] for k in variants}
         for run in range(args.runs):

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from coalesce import BlockRemoved, BlockStored, CoalescingPublisher, KVEventBatch
 from coalesce.compactor import compact
 from coalesce_tools.baselines import REAL_VLLM, DropPublisher, StockPublisher
-from coalesce_tools.results import run
+from coalesce_tools.results import header, run
 
 if REAL_VLLM:
     from vllm.distributed import kv_events as vk
@@ -162,12 +162,21 @@ def bench_overload(steps: int, cpu_us: float, gpu_us: float, queue: int, repeats
         f"Stock sender drain rate measured: {rate / 1e6:.1f} M events/s. Overload = events "
         "offered per step / events the stock sender can drain during one GPU wait.\n"
     )
-    print(
-        "| overload | blocks/step | publisher | p50 us | p99 us | max us | stall ms "
-        "| stall vs stock | engine loop ms | dropped | gaps | messages "
-        "| wire bytes vs uncompacted |"
+    header(
+        "overload",
+        "blocks/step",
+        "publisher",
+        "p50 us",
+        "p99 us",
+        "max us",
+        "stall ms",
+        "stall vs stock",
+        "engine loop ms",
+        "dropped",
+        "gaps",
+        "messages",
+        "wire bytes vs uncompacted",
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     enc = msgspec.msgpack.Encoder()
     n = 0
     cls = {"stock": StockPublisher, "drop": DropPublisher, "coalesce": CoalescingPublisher}
@@ -209,8 +218,7 @@ def bench_overload(steps: int, cpu_us: float, gpu_us: float, queue: int, repeats
 
 def bench_compactor() -> None:
     print("\n## compactor throughput (offload window, one call)\n")
-    print("| window events | every rule: Mev/s | us/event | fold only: Mev/s | encode: Mev/s |")
-    print("|---|---|---|---|---|")
+    header("window events", "every rule: Mev/s", "us/event", "fold only: Mev/s", "encode: Mev/s")
     enc = msgspec.msgpack.Encoder()
     for blocks_total in (128, 512, 2048, 8192, 32768):
         batches = [make_batch(i, 1) for i in range(blocks_total // 3 + 1)]

@@ -48,7 +48,7 @@ from bench_compact import alternate, make_batch, seed_batches, workloads
 from coalesce import compactor
 from coalesce.events import BlockStored, KVEventBatch
 from coalesce.testing import Encoder, Recorder
-from coalesce_tools.results import row, run
+from coalesce_tools.results import header, row, run
 
 Window = list[Any]
 
@@ -188,8 +188,7 @@ def main() -> None:
         f"# bench_recorder: {platform.python_version()}, msgspec {msgspec.__version__}, "
         f"{args.rounds} rounds x {args.seconds} s, medians\n"
     )
-    print("| workload | raw encode ns/event | decode | record | record compacted |")
-    print("|---|---|---|---|---|")
+    header("workload", "raw encode ns/event", "decode", "record", "record compacted")
     gc.collect()
     for name, windows in workloads(args.window).items():
         per = measure(windows, args.seconds, args.rounds)
@@ -199,8 +198,8 @@ def main() -> None:
             f"{per['record'] / raw:.2f}x | {per['record compacted'] / raw:.2f}x |",
             flush=True,
         )
-    print("\n| engine's share | batches | events/batch | no recorder s | recorder | decode |")
-    print("|---|---|---|---|---|---|")
+    print()
+    header("engine's share", "batches", "events/batch", "no recorder s", "recorder", "decode")
     for name, stream in (
         ("seed burst", seed_batches(True, 1100)),
         ("offload ~100/batch", [make_batch(i, 33) for i in range(800)]),
@@ -212,8 +211,8 @@ def main() -> None:
             f"| {base:.3f} | {loop['recorder'] / base:.2f}x | {loop['decode'] / base:.2f}x |",
             flush=True,
         )
-    print("\n| snapshot | blocks | ns per block (build + encode) | longest chunk ms | total s |")
-    print("|---|---|---|---|---|")
+    print()
+    header("snapshot", "blocks", "ns per block (build + encode)", "longest chunk ms", "total s")
     rec = Recorder(10_000_000)
     for b in seed_batches(True, 1500):
         rec.record(b)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _reader import start_reader, stop_reader
 
 from coalesce.sglang import SGLangPublisher
-from coalesce_tools.results import recording
+from coalesce_tools.results import header, recording
 
 TOKENS = list(range(16))
 
@@ -142,8 +142,7 @@ def main() -> dict[str, Any]:
         "drain_ratio": rows["sglang"]["drain_s"] / rows["coalesce"]["drain_s"],
     }
     print(f"SGLang {figures['sglang']}: {len(batches)} batches, {n_events} events; medians")
-    print("| publisher | publish() µs/call | drain s | events/s |")
-    print("|---|---|---|---|")
+    header("publisher", "publish() µs/call", "drain s", "events/s")
     for kind, row in rows.items():
         print(
             f"| {kind} | {row['publish_us_per_call']:.2f} | {row['drain_s']:.3f} | "

@@ -8,6 +8,7 @@ engine's handlers unless the user configured coalesce's logger.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -20,6 +21,7 @@ __all__ = [
     "adopt_logging",
     "enabled",
     "serve_metrics_once",
+    "started",
 ]
 
 ENV_ENABLE = "COALESCE_KV_EVENTS"
@@ -68,19 +70,44 @@ def adopt_logging(engine_logger: str) -> None:
     ours.propagate = False
 
 
+def started(pub: Any, rank_name: str, rank: int) -> Any:
+    """A plugin's publisher, just built: its stats served for Prometheus when
+    ``COALESCE_METRICS_PORT`` is set (on that port + ``rank``), and one log line."""
+    serve_metrics_once(pub, rank)
+    log.info(
+        "kv-coalesce: publisher for %s %s on %s (replay %s); settings %s",
+        rank_name,
+        rank,
+        pub.config.endpoint,
+        pub.config.replay_endpoint,
+        pub.settings,
+    )
+    return pub
+
+
 class Swap:
     """An engine's ``"zmq"`` entry in its publisher factory's registry, swapped for
-    ours and back.  ``engine`` names it in log lines; its logger is adopted."""
+    ours and back.  ``engine`` names it in log lines; its logger is adopted;
+    ``module`` holds its ``EventPublisherFactory`` and ``ZmqEventPublisher``."""
 
-    def __init__(self, engine: str, logger: str) -> None:
-        self.engine, self.logger = engine, logger
+    def __init__(self, engine: str, logger: str, module: str) -> None:
+        self.engine, self.logger, self.module = engine, logger, module
         self.original: Any = None  # the engine's own "zmq" constructor, while swapped
 
-    def install(
-        self, registry: dict[str, Any], create: Callable[..., Any], abc: Any, cls: type
-    ) -> None:
+    def install(self, create: Callable[..., Any], cls: type) -> None:
         """Put ``create`` in for ``"zmq"`` and make ``cls`` a virtual subclass of the
-        engine's ABC ``abc``.  Idempotent; logs once what it did and with which settings."""
+        engine's ``ZmqEventPublisher`` ABC.  Idempotent; logs once what it did and with
+        which settings, or why it did nothing (the engine cannot be imported)."""
+        try:
+            kv_events = importlib.import_module(self.module)
+        except ImportError:
+            log.warning(
+                "kv-coalesce: %s is set but %s cannot be imported; nothing done",
+                ENV_ENABLE,
+                self.module,
+            )
+            return
+        registry: dict[str, Any] = kv_events.EventPublisherFactory._registry
         if registry.get("zmq") is create:
             return
         adopt_logging(self.logger)
@@ -88,7 +115,8 @@ class Swap:
 
         self.original = registry.get("zmq")
         registry["zmq"] = create
-        abc.register(cls)  # isinstance holds; nothing of the engine's is inherited or run
+        # isinstance holds; nothing of the engine's is inherited or run
+        kv_events.ZmqEventPublisher.register(cls)
         log.info(
             "kv-coalesce: %s's 'zmq' KV-event publisher is now %s.%s (pid %d); settings "
             "from COALESCE_*: %s",
@@ -99,10 +127,11 @@ class Swap:
             Settings.resolve(),
         )
 
-    def restore(self, registry: dict[str, Any]) -> None:
+    def restore(self) -> None:
         """Put the engine's own ``"zmq"`` publisher back (nothing if not swapped)."""
         if self.original is None:
             return
+        registry = importlib.import_module(self.module).EventPublisherFactory._registry
         registry["zmq"] = self.original
         self.original = None
         log.info("kv-coalesce: %s's own 'zmq' publisher restored", self.engine)

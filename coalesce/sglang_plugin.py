@@ -15,15 +15,13 @@ publisher's own knobs come from ``COALESCE_*`` variables (docs/sglang.md).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from coalesce._plugin import ENV_ENABLE, Swap, enabled, serve_metrics_once
+from coalesce._plugin import ENV_ENABLE, Swap, enabled, started
 
 __all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
 
-log = logging.getLogger("coalesce")
-_swap = Swap("SGLang", "sglang")
+_swap = Swap("SGLang", "sglang", "sglang.srt.disaggregation.kv_events")
 
 
 def create_publisher(**kwargs: Any) -> Any:
@@ -36,40 +34,17 @@ def create_publisher(**kwargs: Any) -> Any:
     from coalesce.sglang import SGLangPublisher
 
     pub = SGLangPublisher(**kwargs)
-    serve_metrics_once(pub, pub.attn_dp_rank)
-    log.info(
-        "kv-coalesce: SGLang publisher for attn_dp_rank %s on %s (replay %s); settings %s",
-        pub.attn_dp_rank,
-        pub.config.endpoint,
-        pub.config.replay_endpoint,
-        pub.settings,
-    )
-    return pub
+    return started(pub, "attn_dp_rank", pub.attn_dp_rank)
 
 
 def register() -> None:
     """The plugin entry point.  Idempotent; cheap when disabled."""
-    if not enabled():
-        return
-    try:
-        from sglang.srt.disaggregation.kv_events import EventPublisherFactory, ZmqEventPublisher
-    except ImportError:
-        log.warning(
-            "kv-coalesce: %s is set but SGLang's kv_events cannot be imported; nothing done",
-            ENV_ENABLE,
-        )
-        return
-    from coalesce.sglang import SGLangPublisher
+    if enabled():
+        from coalesce.sglang import SGLangPublisher
 
-    _swap.install(
-        EventPublisherFactory._registry, create_publisher, ZmqEventPublisher, SGLangPublisher
-    )
+        _swap.install(create_publisher, SGLangPublisher)
 
 
 def unregister() -> None:
     """Put SGLang's own ``"zmq"`` publisher back (roll back without restarting Python)."""
-    if _swap.original is None:
-        return
-    from sglang.srt.disaggregation.kv_events import EventPublisherFactory
-
-    _swap.restore(EventPublisherFactory._registry)
+    _swap.restore()

@@ -15,15 +15,13 @@ from ``COALESCE_*`` variables (see docs/vllm.md).
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from coalesce._plugin import ENV_ENABLE, Swap, enabled, serve_metrics_once
+from coalesce._plugin import ENV_ENABLE, Swap, enabled, started
 
 __all__ = ["ENV_ENABLE", "create_publisher", "register", "unregister"]
 
-log = logging.getLogger("coalesce")
-_swap = Swap("vLLM", "vllm")
+_swap = Swap("vLLM", "vllm", "vllm.distributed.kv_events")
 
 
 def create_publisher(**kwargs: Any) -> Any:
@@ -36,15 +34,7 @@ def create_publisher(**kwargs: Any) -> Any:
     from coalesce.publisher import CoalescingPublisher
 
     pub = CoalescingPublisher(**kwargs)
-    serve_metrics_once(pub, pub.data_parallel_rank)
-    log.info(
-        "kv-coalesce: publisher for DP rank %s on %s (replay %s); settings %s",
-        pub.data_parallel_rank,
-        pub.config.endpoint,
-        pub.config.replay_endpoint,
-        pub.settings,
-    )
-    return pub
+    return started(pub, "DP rank", pub.data_parallel_rank)
 
 
 def register() -> None:
@@ -55,24 +45,12 @@ def register() -> None:
     subclass; ABCs cannot forget a registration, so after :func:`unregister`
     it stays true in this process.
     """
-    if not enabled():
-        return
-    try:
-        from vllm.distributed.kv_events import EventPublisherFactory, ZmqEventPublisher
-    except ImportError:
-        log.warning("kv-coalesce: %s is set but vLLM cannot be imported; nothing done", ENV_ENABLE)
-        return
-    from coalesce.publisher import CoalescingPublisher
+    if enabled():
+        from coalesce.publisher import CoalescingPublisher
 
-    _swap.install(
-        EventPublisherFactory._registry, create_publisher, ZmqEventPublisher, CoalescingPublisher
-    )
+        _swap.install(create_publisher, CoalescingPublisher)
 
 
 def unregister() -> None:
     """Put vLLM's own ``"zmq"`` publisher back (roll back without a restart of Python)."""
-    if _swap.original is None:
-        return
-    from vllm.distributed.kv_events import EventPublisherFactory
-
-    _swap.restore(EventPublisherFactory._registry)
+    _swap.restore()

@@ -13,6 +13,30 @@ from coalesce_tools.workload import ENGINES, WorkloadConfig
 __all__ = ["demo_main"]
 
 
+_WORKLOAD_OPTIONS: tuple[tuple[str, str, type, str], ...] = (
+    ("--ranks", "ranks", int, "DP ranks (processes)"),
+    ("--steps", "steps", int, "engine steps per rank"),
+    ("--cpu-us", "step_cpu_us", float, "engine CPU time per step, GIL held"),
+    ("--gpu-us", "step_gpu_us", float, "GPU wait per step, GIL released"),
+    ("--burst-every", "burst_every", int, "steps between bursts"),
+    ("--burst-length", "burst_length", int, "steps each burst lasts"),
+    (
+        "--burst-requests",
+        "burst_requests",
+        int,
+        "long unique prompts per burst step (with --no-sizing; else sized)",
+    ),
+    (
+        "--batch-events",
+        "batch_events",
+        int,
+        "publish each step as batches of at most this many events (0: one batch per "
+        "step; e.g. 20 for the upstream report's thousands of small batches)",
+    ),
+)
+"""The demo's options that set a :class:`WorkloadConfig` field: (flag, field, type, help)."""
+
+
 def lockstep_for(choice: str, ranks: int, cores: int | None = None) -> bool:
     """``--lockstep``'s answer: ``auto`` is on where every rank's engine and sender each
     have a core (below that the group is CPU-bound: every publisher keeps up by slowing
@@ -30,36 +54,15 @@ def demo_main(argv: Sequence[str]) -> int:
         description="the seed scenario: vLLM's publisher, the drop fix and ours",
     )
     defaults = WorkloadConfig()
-    d.add_argument("--ranks", type=int, default=defaults.ranks, help="DP ranks (processes)")
-    d.add_argument("--steps", type=int, default=defaults.steps, help="engine steps per rank")
-    d.add_argument(
-        "--cpu-us",
-        type=float,
-        default=defaults.step_cpu_us,
-        help="engine CPU time per step, GIL held",
-    )
-    d.add_argument(
-        "--gpu-us", type=float, default=defaults.step_gpu_us, help="GPU wait per step, GIL released"
-    )
-    d.add_argument(
-        "--burst-every", type=int, default=defaults.burst_every, help="steps between bursts"
-    )
-    d.add_argument(
-        "--burst-length", type=int, default=defaults.burst_length, help="steps each burst lasts"
-    )
-    d.add_argument(
-        "--burst-requests",
-        type=int,
-        default=defaults.burst_requests,
-        help="long unique prompts per burst step (with --no-sizing; else sized)",
-    )
-    d.add_argument(
-        "--batch-events",
-        type=int,
-        default=defaults.batch_events,
-        help="publish each step as batches of at most this many events (0: one batch per "
-        "step; e.g. 20 for the upstream report's thousands of small batches)",
-    )
+    for flag, field, kind, text in _WORKLOAD_OPTIONS:
+        d.add_argument(
+            flag,
+            type=kind,
+            default=getattr(defaults, field),
+            dest=field,
+            metavar=flag[2:].upper().replace("-", "_"),
+            help=text,
+        )
     d.add_argument(
         "--queue", type=int, default=QUEUE, help=f"max_queue_size for all publishers ({QUEUE})"
     )
@@ -96,14 +99,7 @@ def demo_main(argv: Sequence[str]) -> int:
     try:
         cfg = replace(
             WorkloadConfig(),
-            ranks=args.ranks,
-            steps=args.steps,
-            step_cpu_us=args.cpu_us,
-            step_gpu_us=args.gpu_us,
-            burst_every=args.burst_every,
-            burst_length=args.burst_length,
-            burst_requests=args.burst_requests,
-            batch_events=args.batch_events,
+            **{field: getattr(args, field) for _, field, _, _ in _WORKLOAD_OPTIONS},
             engine=args.engine,
             lockstep=lockstep_for(args.lockstep, args.ranks),
         )

@@ -62,6 +62,12 @@ def run(name: str, doc: str | None, main: Callable[[], None], engine: str = "vll
         main()
 
 
+def header(*columns: str) -> None:
+    """Print a markdown table's header row and its rule."""
+    row(*columns)
+    print("|" + "---|" * len(columns), flush=True)
+
+
 def row(*cells: object) -> None:
     """Print one markdown table row of ``cells`` (each as ``str()`` gives it), at once."""
     print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)

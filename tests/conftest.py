@@ -18,7 +18,7 @@ import zmq
 from hypothesis import settings
 
 from coalesce.events import KVEventBatch
-from coalesce.publisher import PublishOutcome
+from coalesce.publisher import CoalescingPublisher, PublishOutcome
 from coalesce.testing import held as held  # (the tests import it from here)
 
 # Hypothesis profiles, one for every test module: "dev" (quick) for a local run, "ci"
@@ -100,6 +100,15 @@ class Sub:
     def nothing_within(self, timeout: float) -> bool:
         return not self.sock.poll(int(timeout * 1000))
 
+    def publish_until_heard(self, publish: Callable[[int], Any]) -> tuple[bytes, int, bytes]:
+        """A tcp subscriber joins late: ``publish(i)`` for i = 0, 1, ... until a
+        message arrives (at most 10,000 calls); that message."""
+        for i in range(10_000):
+            if not self.nothing_within(0.01):
+                return self.recv()
+            publish(i)
+        raise AssertionError("no message after 10,000 publishes")
+
     def replay(self, start: int, timeout: float = 10.0) -> list[tuple[bytes, int, bytes]]:
         """Ask for replay from ``start``; return the 5-frame replies' (topic, seq, payload)."""
         assert self.replay_endpoint is not None
@@ -147,6 +156,18 @@ def made() -> Iterator[list[Any]]:
     yield pubs
     for p in pubs:
         p.shutdown()
+
+
+@pytest.fixture
+def pubs(made: list[Any]) -> Callable[..., Any]:
+    """``pubs(**kw)``: a ``CoalescingPublisher(**kw)`` (``cls=`` another class),
+    shut down at the test's end."""
+
+    def make(cls: Any = CoalescingPublisher, **kw: Any) -> Any:
+        made.append(cls(**kw))
+        return made[-1]
+
+    return make
 
 
 @contextmanager
@@ -233,6 +254,31 @@ def assert_ours_never_blocks(ours: Any, batches: list[Any]) -> StalledSocket:
     assert not t.is_alive(), "publish() must never block"
     assert ours.stats().batches_dropped == 0, "a late sender loses nothing"
     return stall
+
+
+def assert_the_seed_bug(
+    made: list[Any], theirs: Any, ours: Any, batch: Callable[[int], Any]
+) -> StalledSocket:
+    """The seed bug, both ways, with 10 batches ``batch(i)``: the engine's publisher
+    blocks with its sender stalled, ours does not (both kept in ``made`` to be
+    shut down).  Returns our stall, still held."""
+    made += [theirs, ours]
+    assert_the_engines_publisher_blocks(theirs, [batch(i) for i in range(10)])
+    return assert_ours_never_blocks(ours, [batch(i) for i in range(10)])
+
+
+def replay_request(endpoint: str, start_seq: int) -> list[bytes]:
+    """The first reply of the replay ROUTER at ``endpoint`` to a request from
+    ``start_seq`` (vLLM's protocol: a REQ sends the 8-byte seq)."""
+    req = zmq.Context.instance().socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(endpoint)
+    try:
+        req.send(start_seq.to_bytes(8, "big"))
+        assert req.poll(5000), "no replay reply within 5 s"
+        return req.recv_multipart()
+    finally:
+        req.close()
 
 
 def publish_both(

@@ -131,18 +131,20 @@ event_lists = st.lists(
 ).map(lambda chunks: [e for c in chunks for e in c])
 
 
-@st.composite
-def batch_lists(draw: Any, events: Any = event_lists) -> list[KVEventBatch]:
-    evs = draw(events)
-    batches: list[KVEventBatch] = []
+def cut_into_batches(draw: Any, evs: list[Any], batch: Any = KVEventBatch) -> list[Any]:
+    """``evs`` in order, cut into batches of 1 to 4 events (rank 0)."""
+    batches: list[Any] = []
     i = 0
     while i < len(evs):
         n = draw(st.integers(1, 4))
-        batches.append(
-            KVEventBatch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0)
-        )
+        batches.append(batch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0))
         i += n
     return batches
+
+
+@st.composite
+def batch_lists(draw: Any, events: Any = event_lists) -> list[KVEventBatch]:
+    return cut_into_batches(draw, draw(events))
 
 
 ALL_KEYS = [
@@ -221,13 +223,4 @@ def sglang_batch_lists(draw: Any) -> list[Any]:
     """Batches of :func:`sglang_event_lists`, as the publisher holds them (the rank set)."""
     from coalesce.events import EventBatch
 
-    evs = draw(sglang_event_lists())
-    batches: list[Any] = []
-    i = 0
-    while i < len(evs):
-        n = draw(st.integers(1, 4))
-        batches.append(
-            EventBatch(ts=float(len(batches)), events=evs[i : i + n], data_parallel_rank=0)
-        )
-        i += n
-    return batches
+    return cut_into_batches(draw, draw(sglang_event_lists()), EventBatch)

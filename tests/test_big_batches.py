@@ -7,22 +7,9 @@ from typing import Any
 
 import pytest
 
-from coalesce import BlockRemoved, CoalescingPublisher, KVEventBatch, PublishOutcome
+from coalesce import BlockRemoved, KVEventBatch, PublishOutcome
 from tests.conftest import assert_every_model_agrees, decode, held, inproc
 from tests.test_publisher import offload_batch, store
-
-
-@pytest.fixture
-def pubs():
-    made: list[CoalescingPublisher] = []
-
-    def make(**kw: Any) -> CoalescingPublisher:
-        made.append(CoalescingPublisher(**kw))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.shutdown()
 
 
 def run_held(pubs: Any, make_sub: Any, batches: list[Any], **kw: Any) -> tuple[Any, list[Any]]:

@@ -21,6 +21,13 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "coalesce", *args]
 
 
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``coalesce ARGS...`` run to its end, which must be a success."""
+    run = subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
 def popen_as_from_a_terminal(args: list[str]) -> subprocess.Popen[str]:
     """Start ``args`` with SIGINT at its default, as a shell in a terminal would.
 
@@ -73,30 +80,12 @@ def test_subscribe_json_lines_then_a_summary_when_stopped(stop):
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_events", [0, 20])
 def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
-    run = subprocess.run(
-        cli(
-            "demo",
-            "--batch-events",
-            str(batch_events),
-            "--ranks",
-            "1",
-            "--steps",
-            "120",
-            "--burst-every",
-            "40",
-            "--burst-requests",
-            "8",
-            "--burst-length",
-            "5",
-            "--no-sizing",
-            "--out",
-            str(tmp_path),
-        ),
-        capture_output=True,
-        text=True,
+    run = run_cli(
+        *("demo", "--batch-events", str(batch_events), "--ranks", "1", "--steps", "120"),
+        *("--burst-every", "40", "--burst-requests", "8", "--burst-length", "5"),
+        *("--no-sizing", "--out", str(tmp_path)),
         timeout=300,
     )
-    assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert any(line.startswith("stock") for line in lines)
     assert any(line.startswith("drop") for line in lines)
@@ -121,18 +110,12 @@ def test_demo_runs_end_to_end_on_a_tiny_configuration(tmp_path, batch_events):
 
 @pytest.mark.slow
 def test_demo_in_lockstep_with_sglangs_structs(tmp_path):
-    run = subprocess.run(
-        cli(
-            "demo",
-            *("--engine", "sglang", "--lockstep", "on", "--ranks", "2", "--steps", "120"),
-            *("--burst-every", "40", "--burst-requests", "8", "--burst-length", "5"),
-            *("--no-sizing", "--out", str(tmp_path)),
-        ),
-        capture_output=True,
-        text=True,
+    run = run_cli(
+        *("demo", "--engine", "sglang", "--lockstep", "on", "--ranks", "2", "--steps", "120"),
+        *("--burst-every", "40", "--burst-requests", "8", "--burst-length", "5"),
+        *("--no-sizing", "--out", str(tmp_path)),
         timeout=300,
     )
-    assert run.returncode == 0, run.stderr
     assert "DP lockstep: on" in run.stdout and "engine: SGLang's structs" in run.stdout
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["lockstep"] is True and data["engine"] == "sglang"
@@ -153,21 +136,9 @@ def test_lockstep_auto_needs_a_core_per_engine_and_one_per_sender():
 
 def test_subscribe_says_why_nothing_arrives():
     port = free_port()
-    run = subprocess.run(
-        cli(
-            "subscribe",
-            f"tcp://127.0.0.1:{port}",
-            "--json",
-            "--seconds",
-            "3",
-            "--warn-after",
-            "0.5",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    run = run_cli(
+        "subscribe", f"tcp://127.0.0.1:{port}", "--json", "--seconds", "3", "--warn-after", "0.5"
     )
-    assert run.returncode == 0, run.stderr
     assert "nothing received" in run.stderr and "--bind" in run.stderr
     assert json.loads(run.stdout.strip().splitlines()[-1])["summary"]["messages"] == 0
 
@@ -208,16 +179,9 @@ def test_bursts_are_sized_to_a_fixed_bound_and_the_drain_rate_is_measured():
 
     from coalesce._settings import Settings
     from coalesce_tools.demo import BURST_EVENTS, size_bursts
-    from coalesce_tools.workload import WorkloadConfig
+    from tests.test_workload import SMALL
 
-    small = replace(
-        WorkloadConfig(),
-        gpu_blocks=256,
-        cpu_blocks=512,
-        burst_blocks=48,
-        burst_requests=2,
-        burst_length=50,
-    )
+    small = replace(SMALL, burst_requests=2, burst_length=50)
     cfg, drain = size_bursts(small)
     per_step = cfg.burst_requests * (3 * small.burst_blocks + 1)
     bound = BURST_EVENTS / small.burst_length
@@ -235,22 +199,13 @@ def test_subscribe_with_a_snapshot_gets_what_was_cached_before_it_started():
         for i in range(100):
             pub.publish(KVEventBatch(float(i), [BlockStored([i], None, [], 4, None, "GPU", None)]))
         assert pub.flush(10.0)
-        run = subprocess.run(  # it hears the idle publisher's heartbeat, then asks
-            cli(
-                "subscribe",
-                f"tcp://127.0.0.1:{port}",
-                "--snapshot",
-                f"tcp://127.0.0.1:{snap}",
-                "--seconds",
-                "4",
-            ),
-            capture_output=True,
-            text=True,
-            timeout=60,
+        # it hears the idle publisher's heartbeat, then asks
+        run = run_cli(
+            *("subscribe", f"tcp://127.0.0.1:{port}", "--snapshot", f"tcp://127.0.0.1:{snap}"),
+            *("--seconds", "4"),
         )
     finally:
         pub.shutdown()
-    assert run.returncode == 0, run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])["summary"]
     assert summary["snapshots"] == 1 and summary["resets"] == 0
     assert summary["index_size"] == 100
@@ -282,8 +237,7 @@ def test_the_production_entry_points_load_none_of_the_tools(entry):
 
 
 def test_demo_help_comes_from_the_tools_package():
-    run = subprocess.run(cli("demo", "--help"), capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
+    run = run_cli("demo", "--help")
     assert run.stdout.startswith("usage: coalesce demo") and "--ranks" in run.stdout
 
 

@@ -39,20 +39,6 @@ def offload_batch(i: int) -> KVEventBatch:
     return batch(*evs, ts=float(i))
 
 
-@pytest.fixture
-def pubs():
-    made: list[CoalescingPublisher] = []
-
-    def make(**kw: Any) -> CoalescingPublisher:
-        p = CoalescingPublisher(**kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.shutdown()
-
-
 def test_inproc_first_seq_is_zero_and_seqs_are_contiguous(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)  # inproc: connected before bind, so nothing is missed

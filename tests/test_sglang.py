@@ -136,17 +136,8 @@ def test_the_c_rules_tell_a_negative_hash_from_its_unsigned_twin() -> None:
 
 
 @pytest.fixture
-def sgl_pubs():
-    made: list[SGLangPublisher] = []
-
-    def make(**kw: Any) -> SGLangPublisher:
-        p = SGLangPublisher(**kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.shutdown()
+def sgl_pubs(pubs):
+    return lambda **kw: pubs(SGLangPublisher, **kw)
 
 
 def offload(i: int) -> KVEventBatch:

@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 import pytest
-import zmq
 from sglang.srt.disaggregation import kv_events as sk
 
 import coalesce.sglang_plugin as plugin
@@ -28,12 +27,12 @@ from coalesce.publisher import PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
 from coalesce.sglang import SGLangPublisher
 from tests.conftest import (
-    assert_ours_never_blocks,
-    assert_the_engines_publisher_blocks,
+    assert_the_seed_bug,
     free_port,
     held,
     inproc,
     publish_both,
+    replay_request,
 )
 
 END = b"\xff" * 8
@@ -183,15 +182,7 @@ def test_a_req_client_gets_the_same_first_reply(enabled, made, make_sub) -> None
         for i in range(3):
             pub.publish(sbatch(sstore(i), ts=float(i)))
         sub.recv_until_seq(2)
-        req = zmq.Context.instance().socket(zmq.REQ)
-        req.setsockopt(zmq.LINGER, 0)
-        req.connect(rep)
-        try:
-            req.send((1).to_bytes(8, "big"))
-            assert req.poll(5000)
-            replies.append(req.recv_multipart())
-        finally:
-            req.close()
+        replies.append(replay_request(rep, 1))
     assert replies[0] == replies[1] and int.from_bytes(replies[0][1], "big") == 1
 
 
@@ -207,12 +198,8 @@ def test_dp_rank_offsets_as_sglang_computes_them(
     port = free_port()
     pub = create(made, rank, endpoint=f"tcp://*:{port - rank}")
     sub = make_sub(f"tcp://127.0.0.1:{port}")
-    i = 0
-    while sub.nothing_within(0.01):  # tcp joins late: publish until it hears
-        pub.publish(sbatch(sstore(i)))
-        i += 1
-        assert i < 10_000
-    assert DEC.decode(sub.recv()[2]).attn_dp_rank == rank
+    msg = sub.publish_until_heard(lambda i: pub.publish(sbatch(sstore(i))))
+    assert DEC.decode(msg[2]).attn_dp_rank == rank
 
 
 def test_describe_local_source_is_sglangs(enabled, made, tmp_path, monkeypatch) -> None:
@@ -293,11 +280,8 @@ def test_a_loss_marker_decodes_with_sglangs_types_and_leaves_no_hole(
 
 def test_the_seed_bug_sglang_blocks_and_coalesce_does_not(made) -> None:
     theirs = sk.ZmqEventPublisher(attn_dp_rank=0, endpoint=inproc("s"), max_queue_size=2)
-    made.append(theirs)
-    assert_the_engines_publisher_blocks(theirs, [sbatch(sstore(i)) for i in range(10)])
     ours = SGLangPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
-    made.append(ours)
-    stall = assert_ours_never_blocks(ours, [sbatch(sstore(i)) for i in range(10)])
+    stall = assert_the_seed_bug(made, theirs, ours, lambda i: sbatch(sstore(i)))
     stall.release.set()
     assert ours.flush(10)
 

@@ -23,13 +23,13 @@ import coalesce.vllm_plugin as plugin
 from coalesce import CoalescingPublisher, PublishOutcome
 from coalesce.refmodel import MODES, SubscriberModel
 from tests.conftest import (
-    assert_ours_never_blocks,
-    assert_the_engines_publisher_blocks,
+    assert_the_seed_bug,
     decode,
     free_port,
     held,
     inproc,
     publish_both,
+    replay_request,
     wait_for,
 )
 
@@ -304,15 +304,7 @@ def test_replay_to_a_req_client(enabled, made, make_sub):
         pub.publish(vbatch(vstore(i)))
     assert pub.flush(10)
     msgs = sub.recv_until_seq(2)
-    req = zmq.Context.instance().socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.connect(rep)
-    try:
-        req.send((1).to_bytes(8, "big"))
-        assert req.poll(5000)
-        topic, seq, payload = req.recv_multipart()
-    finally:
-        req.close()
+    topic, seq, payload = replay_request(rep, 1)
     assert (topic, int.from_bytes(seq, "big"), payload) == msgs[1]
 
 
@@ -336,12 +328,7 @@ def test_dp_rank_offset_and_tagging(enabled, made, make_sub, scheme):
         port = free_port()
         pub = create(made, rank=2, endpoint=f"tcp://*:{port - 2}")
         sub = make_sub(f"tcp://127.0.0.1:{port}")
-    i = 0
-    while sub.nothing_within(0.01):  # tcp joins late: publish until it hears
-        pub.publish(vbatch(vstore(i)))
-        i += 1
-        assert i < 10_000
-    msg = sub.recv()
+    msg = sub.publish_until_heard(lambda i: pub.publish(vbatch(vstore(i))))
     assert decode(msg[2]).data_parallel_rank == 2
 
 
@@ -390,11 +377,8 @@ def test_high_volume_from_another_thread(enabled, made, make_sub):
 
 def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
     theirs = vk.ZmqEventPublisher(data_parallel_rank=0, endpoint=inproc("v"), max_queue_size=2)
-    made.append(theirs)
-    assert_the_engines_publisher_blocks(theirs, [vbatch(vstore(i)) for i in range(10)])
     ours = CoalescingPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
-    made.append(ours)
-    stall_c = assert_ours_never_blocks(ours, [vbatch(vstore(i)) for i in range(10)])
+    stall_c = assert_the_seed_bug(made, theirs, ours, lambda i: vbatch(vstore(i)))
     # stalled for stall_timeout: now the batch budget refuses, visibly
     wait_for(
         lambda: ours.publish(vbatch(vstore(99))) is PublishOutcome.DROPPED,
