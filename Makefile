@@ -85,6 +85,7 @@ docs: $(STAMP)            ## regenerate the docs' generated tables (configuratio
 	$(BIN)/python -m coalesce_tools.docgen
 
 bench: $(STAMP)           ## benchmarks (not tests): results in benchmarks/results/, then make docs
+	$(BIN)/python benchmarks/bench_demo.py
 	$(BIN)/python benchmarks/bench_publish.py
 	$(BIN)/python benchmarks/bench_overload.py
 	$(BIN)/python benchmarks/bench_replay.py

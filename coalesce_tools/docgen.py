@@ -18,7 +18,7 @@ from typing import Any
 from coalesce import _settings
 from coalesce._settings import PublisherConfig, Settings, env_name
 
-__all__ = ["TABLES", "config_table", "regenerate", "render_into"]
+__all__ = ["TABLES", "bench_results", "config_table", "headline", "regenerate", "render_into"]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -92,6 +92,7 @@ def config_table() -> str:
 
 
 BENCHMARKS = (
+    "demo",
     "drain",
     "publish",
     "overload",
@@ -156,7 +157,23 @@ def bench_results() -> str:
     return "\n\n".join(parts)
 
 
-TABLES = {"config-table": config_table, "bench-results": bench_results}
+def headline() -> str:
+    """The README's headline: the table of the newest ``bench_demo.py`` result, of
+    whichever host shape ran it last."""
+    from coalesce_tools.results import read_results
+
+    docs = read_results("demo")
+    if not docs:
+        return "(no result yet: run `benchmarks/bench_demo.py`, then `make docs`)"
+    doc = max(docs, key=lambda d: str(d["when"]))
+    table = [line for line in doc["figures"]["output"].splitlines() if line.startswith("|")]
+    return (
+        f"One run on a {doc['host']['cores']}-core host ({doc['figures']['caption']}), "
+        f"{doc['when'][:10]}:\n\n" + "\n".join(table)
+    )
+
+
+TABLES = {"config-table": config_table, "bench-results": bench_results, "headline": headline}
 """The generated tables, by marker name."""
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from coalesce_tools.host import host
 
-__all__ = ["RESULTS", "read_results", "recording", "row", "run", "write_result"]
+__all__ = ["RESULTS", "header", "read_results", "recording", "row", "run", "write_result"]
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 

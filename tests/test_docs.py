@@ -78,7 +78,11 @@ def test_the_generated_tables_are_what_the_code_renders_now() -> None:
     for path in DOCS:
         text = path.read_text()
         assert render_into(text) == text, f"{path.name} is stale: run make docs"
-    where = {"config-table": "README.md", "bench-results": "docs/benchmarks.md"}
+    where = {
+        "config-table": "README.md",
+        "bench-results": "docs/benchmarks.md",
+        "headline": "README.md",
+    }
     assert set(where) == set(TABLES)
     for name, path in where.items():
         assert f"<!-- {name}:start -->" in (ROOT / path).read_text(), name
@@ -99,3 +103,25 @@ def test_a_benchmark_result_round_trips_and_renders_per_host_shape(tmp_path, mon
     assert text.startswith("## `bench_toy.py`: A toy\n\n### ")
     assert "#### toy title" in text and "| a | b |\n|---|---|\n| 1 | 2 |" in text
     assert "```text\n  aligned  1\n  aligned  2\n```" in text
+
+
+def test_the_headline_is_the_newest_demo_result_of_any_host_shape(tmp_path, monkeypatch):
+    import json
+
+    from coalesce_tools import docgen, results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    assert "bench_demo.py" in docgen.headline()  # none yet: says how to make one
+    for cores, when, cell in (
+        (2, "2026-12-05T01:00:00Z", "old"),
+        (16, "2026-12-06T01:00:00Z", "new"),
+    ):
+        doc = {
+            "when": when,
+            "host": {"cores": cores},
+            "figures": {"caption": "c", "output": f"# t\n\n| a |\n|---|\n| {cell} |\n\nwords"},
+        }
+        (tmp_path / f"demo.{cores}-core.json").write_text(json.dumps(doc))
+    assert (
+        docgen.headline() == "One run on a 16-core host (c), 2026-12-06:\n\n| a |\n|---|\n| new |"
+    )
