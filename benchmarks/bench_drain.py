@@ -2,9 +2,12 @@
 
 The engine publishes a whole window of batches at once (into a queue large
 enough never to block) and then waits; the time until the last one has left
-the sender is the drain time.  Two workloads: big offload batches (about 110
-events, as bench_publish builds them) and many small ones (about 20 events:
-"thousands of EventBatch objects in one shot" in the upstream report).  A
+the sender is the drain time.  Three workloads: big offload batches (about 110
+events, as bench_publish builds them), many small ones (about 20 events:
+"thousands of EventBatch objects in one shot" in the upstream report), and
+8,000 seed-like batches (the workload model's bursts of long prompts, cut into
+batches of at most 120 events, about 117 on average: the run issue 39 reported
+as a user would make it).  With vLLM installed every batch is vLLM's own class.  A
 real SUB socket is connected and read by a process of its own
 (benchmarks/_reader.py), so sends cost what they cost with a subscriber.
 Publishers alternate; medians of ``--repeats`` runs, each about 1.3 M events
@@ -33,6 +36,7 @@ import msgspec
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reader import start_reader, stop_reader
+from bench_compact import seed_batches
 from bench_publish import make_batch
 
 from coalesce import CoalescingPublisher
@@ -40,6 +44,22 @@ from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import header, row, run
 
 _ENC = msgspec.msgpack.Encoder()
+
+
+def seed_like(n: int, most: int = 120) -> list[Any]:
+    """``n`` batches of the workload model's seed bursts, each step cut into batches
+    of at most ``most`` events; vLLM's own classes when it is installed (decoded
+    from the encoding, which is the same bytes)."""
+    steps = seed_batches(True, 1000)
+    cut = [b.events[i : i + most] for b in steps for i in range(0, len(b.events), most)]
+    assert len(cut) >= n, f"the model made {len(cut)} batches, not {n}"
+    batches = [msgspec.structs.replace(steps[0], events=evs) for evs in cut[:n]]
+    if not REAL_VLLM:
+        return batches
+    from vllm.distributed import kv_events as vk
+
+    decode = msgspec.msgpack.Decoder(vk.KVEventBatch).decode
+    return [decode(_ENC.encode(b)) for b in batches]
 
 
 @dataclass
@@ -115,8 +135,14 @@ def main() -> None:
         "engine CPU vs raw encode",
     )
     kinds = ("stock", "coalesce")
-    for name, blocks, n in (("big (~110 events)", 37, 12_000), ("small (~20 events)", 7, 60_000)):
-        batches = [make_batch(i, blocks) for i in range(n)]
+    workloads = (
+        ("big (~110 events)", lambda: [make_batch(i, 37) for i in range(12_000)]),
+        ("small (~20 events)", lambda: [make_batch(i, 7) for i in range(60_000)]),
+        ("seed-like (~117 events)", lambda: seed_like(8_000)),
+    )
+    for name, make in workloads:
+        batches = make()
+        n = len(batches)
         events = sum(len(b.events) for b in batches)
         runs: dict[str, list[Drain]] = {k: [] for k in kinds}
         encode: list[float] = []  # CPU seconds to encode every batch once, as it is
