@@ -27,7 +27,11 @@ any run:
 - ``no pressure slice``: ``PRESSURE_FROM`` past the budget, so the sender
   never takes the longer GIL slice;
 - ``no whole sends``: ``WHOLE_FROM`` past the budget, so a big batch is always
-  compacted in parts.
+  compacted in parts;
+- with ``--against DIR``, ``before``: the library (``coalesce/``) of another
+  checkout, first on ``PYTHONPATH``, with this checkout's tools and benchmarks
+  (its C extensions built in place, e.g. copied from this one when no C source
+  differs), for a before/after in one run.
 
 Columns, for a burst: the engine loop's wall time (what the sender took from
 the engine), the time ``flush()`` then took to send what was left, the p99 of
@@ -163,18 +167,26 @@ def child(variant: str, scenario: str) -> None:
 
 
 def main() -> None:
-    from coalesce_tools.results import header
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", action="append", choices=list(VARIANTS), help="these variants")
     ap.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="these only")
+    ap.add_argument("--against", metavar="DIR", help="another checkout, as variant 'before'")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
         child(*args.child)
         return
+    from coalesce_tools.results import header
+
     variants = ["defaults", *(v for v in (args.only or VARIANTS) if v != "defaults")]
+    if args.against:  # only its library: the tools and these benchmarks stay this checkout's
+        import tempfile
+
+        shadow = tempfile.mkdtemp(prefix="bench-policy-")
+        os.symlink(os.path.join(os.path.abspath(args.against), "coalesce"), f"{shadow}/coalesce")
+        VARIANTS["before"] = {"env": {"PYTHONPATH": shadow}}
+        variants.append("before")
     print(
         "# does each mechanism earn its place? (bench_policy.py)\n\n"
         f"{os.cpu_count()} cores; loops: 500 steps (300 us Python + 300 us GPU wait) with a "
@@ -197,8 +209,9 @@ def main() -> None:
             order = variants if run % 2 == 0 else variants[::-1]
             for name in order:
                 env = {**os.environ, **VARIANTS[name].get("env", {})}
+                run_as = "defaults" if name == "before" else name
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", name, scenario],
+                    [sys.executable, os.path.abspath(__file__), "--child", run_as, scenario],
                     env=env,
                     capture_output=True,
                     text=True,
