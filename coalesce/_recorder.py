@@ -514,13 +514,6 @@ def _kind(cls: type) -> int:
     return kinds.get(tag, OTHER) if isinstance(tag, str) else OTHER
 
 
-def _count(emitted: dict[Scope, Counter[Any]], source: tuple[Any, ...]) -> None:
-    counts = emitted.get(source[SCOPE])
-    if counts is None:
-        counts = emitted[source[SCOPE]] = Counter()
-    counts.update(source[EVENT].block_hashes)
-
-
 _SCOPE_FIELDS = ("medium", "group_idx", "locality", "ownership")
 _scope_getters: dict[type, Callable[[Any], Scope]] = {}
 
@@ -549,21 +542,7 @@ def _scope_of(ev: Any) -> Scope:
 
 
 def _moved_store(ev: Any) -> BlockStored:
-    """The store a ``BlockMoved`` makes in ``to_medium`` (what its program replays)."""
-    return BlockStored(
-        block_hashes=ev.block_hashes,
-        parent_block_hash=ev.parent_block_hash,
-        token_ids=ev.token_ids,
-        block_size=ev.block_size,
-        lora_id=ev.lora_id,
-        medium=ev.to_medium,
-        lora_name=ev.lora_name,
-        extra_keys=ev.extra_keys,
-        group_idx=ev.group_idx,
-        kv_cache_spec_kind=ev.kv_cache_spec_kind,
-        kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
-        locality=ev.locality,
-        ownership=ev.ownership,
-        session_id=ev.session_id,
-        lookahead_token_ids=ev.lookahead_token_ids,
-    )
+    """The store a ``BlockMoved`` makes in ``to_medium`` (what its program replays):
+    every ``BlockStored`` field it carries, ``medium`` being its ``to_medium``."""
+    carried = {f: getattr(ev, f) for f in BlockStored.__struct_fields__ if f != "medium"}
+    return BlockStored(medium=ev.to_medium, **carried)

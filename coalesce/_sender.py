@@ -361,21 +361,13 @@ class Sender:
             self._send_one(window[0], self._in_flight[1])
             return window
         t0 = time.perf_counter()
-        try:
-            out, rep = self._compact(window, fold_only=not rules)
-        except Exception as exc:  # a value the rules cannot handle: send the window as given
-            self._compaction_failed(exc)
-            self._send_each(window)
-            return window
-        payloads = self._encode_all(out)
+        out, payloads, rep = self._compact_encode(window, fold_only=not rules)
         if payloads is None:  # one would not encode: the originals one by one
             self._send_each(window)
             return window
-        if rules:  # compaction and encoding, both holding the GIL: the next window's width
+        if rules and rep is not None:  # compaction and encoding, both holding the GIL
             self._rules_cost.record((time.perf_counter() - t0) / max(self._in_flight[1], 1))
-        for b, payload in zip(out, payloads, strict=True):
-            self._emit(payload, _n_events(b))
-        self.totals.add_pass(rep, fold_only=not rules)
+        self._emit_all(out, payloads, rep, fold_only=not rules)
         return out
 
     def _compact(self, window: list[Any], fold_only: bool) -> tuple[list[Any], Any]:

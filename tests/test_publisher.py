@@ -438,6 +438,21 @@ def test_unencodable_batch_inside_a_compacted_window(pubs, make_sub):
     assert (st.compaction_passes, st.batches_folded, st.encode_failures) == (0, 0, 1)
 
 
+def test_a_window_the_rules_cannot_handle_is_sent_as_given(pubs, make_sub):
+    """The rules raise on a store whose hashes are None; its window goes out batch by
+    batch as published (the bad store encodes), nothing lost, the failure counted."""
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=1, loss_marker="gap")
+    odd = BlockStored(None, None, [1], 1, None, "GPU", None)  # type: ignore[arg-type]
+    batches = [batch(store(1)), batch(store(2, 1)), batch(odd), batch(store(3, 2))]
+    st, msgs = sent_while_held(p, sub, batches)
+    assert [m[2] for m in msgs] == [msgspec.msgpack.encode(b) for b in batches]
+    assert [m[1] for m in msgs] == [0, 1, 2, 3]
+    assert st.compaction_failures >= 1 and st.compaction_passes == 0
+    assert st.batches_dropped == st.encode_failures == st.seq_gaps == 0
+
+
 def test_invalid_input_raises_and_queues_nothing(pubs):
     p = pubs(endpoint=inproc("pub"))
     with pytest.raises(TypeError, match="EventBatch"):
