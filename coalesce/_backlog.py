@@ -84,10 +84,8 @@ class Backlog:
         self.stall_timeout = stall_timeout
         self._refusing = False  # refuse_all(): the sender has stopped for good
         # written by the engine thread
-        self.batches_in = 0
-        self.events_in = 0
-        self.batches_dropped = 0
-        self.events_dropped = 0
+        self.batches_in = self.events_in = 0
+        self.batches_dropped = self.events_dropped = 0
         self.peak = 0
         self._unmarked_loss = False
         # record_events > 0 (snapshots on): refused batches, up to that many events per

@@ -126,11 +126,8 @@ class ReplayService:
         self._steps = 0
         self.clients = 0
         """Open tcp/ipc connections to the ROUTER, as its monitor last reported."""
-        self.requests = 0
-        self.invalid = 0
-        self.refused = 0
+        self.requests = self.invalid = self.refused = self.abandoned = 0
         self.messages = 0
-        self.abandoned = 0
 
     NOTHING: ClassVar[dict[str, int]] = {
         "replay_requests": 0,

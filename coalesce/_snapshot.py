@@ -93,13 +93,8 @@ class SnapshotService:
         self._resync: Generator[list[Any], None, None] | None = None
         self._deferred: deque[Any] = deque()
         self._deferred_events = 0
-        self.requests = 0
-        self.invalid = 0
-        self.refused = 0
-        self.replies = 0
-        self.unavailable = 0
-        self.abandoned = 0
-        self.chunks_sent = 0
+        self.requests = self.invalid = self.refused = self.abandoned = 0
+        self.replies = self.unavailable = self.chunks_sent = 0
         self._was_valid = True
 
     @classmethod

@@ -80,11 +80,8 @@ class Stream:
         self._marker = marker
         self._lost = False
         self.next_seq = 0
-        self.messages_sent = 0
-        self.events_sent = 0
-        self.bytes_sent = 0
-        self.seq_gaps = 0
-        self.loss_markers = 0
+        self.messages_sent = self.events_sent = self.bytes_sent = 0
+        self.seq_gaps = self.loss_markers = 0
         self.last_sent = time.monotonic()
 
     @classmethod

@@ -301,17 +301,9 @@ def _compact(
     if _accel is not None and not move_events and type(batches) is list:
         result = _accelerated_window(batches, fold_only, wire)
         if result is not None:
-            out, events_in, events_out, folded, superseded, cancelled, merged = result
-            return out, CompactionReport(
-                batches_in=len(batches),
-                batches_out=len(out),
-                events_in=events_in,
-                events_out=events_out,
-                folded=folded,
-                superseded=superseded,
-                cancelled=cancelled,
-                merged=merged,
-            )
+            out, ev_in, ev_out, folded, superseded, cancelled, merged = result
+            report = (len(batches), len(out), ev_in, ev_out, folded, merged, cancelled, superseded)
+            return out, CompactionReport(*report)  # the order of its fields
     return _compact_py(batches, move_events, fold_only)
 
 

@@ -56,12 +56,8 @@ class LlmdRulesConsumer:
         self.last_seq: int | None = None  # lastSeq / hasLastSeq
         self.last_live_seq: int | None = None  # lastLiveSeq / hasLastLiveSeq
         self._failed_at: float | None = None  # lastReplayFailure
-        self.resets = 0
-        self.incomplete_replays = 0
-        self.dropped_in_cooldown = 0
-        self.skipped = 0
-        self.applied = 0
-        self.clears = 0
+        self.resets = self.incomplete_replays = self.dropped_in_cooldown = 0
+        self.skipped = self.applied = self.clears = 0
         self._started = False
 
     def close(self) -> None:

@@ -102,19 +102,10 @@ def a_store(draw: Any, hashes: Any, other: bool) -> Any:
         extra
     ]
     look = draw(st.sampled_from([None, "right"]))
-    return BlockStored(
-        block_hashes=hs,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=BLOCK,
-        lora_id=lora,
-        medium=medium,
-        lora_name=None,
-        extra_keys=extra_keys,
-        group_idx=draw(groups),
-        locality=draw(st.sampled_from([None, None, "local"])),
-        lookahead_token_ids=None if look is None else [[1]] * len(hs),
-    )
+    locality = draw(st.sampled_from([None, None, "local"]))
+    lookahead = None if look is None else [[1]] * len(hs)
+    stored = BlockStored(hs, parent, tokens, BLOCK, lora, medium, None, extra_keys, draw(groups))
+    return msgspec.structs.replace(stored, locality=locality, lookahead_token_ids=lookahead)
 
 
 @st.composite

@@ -248,17 +248,10 @@ def test_a_callers_store_is_served_as_it_was_published(snap_pub):
 def test_a_subscriber_heals_a_loss_with_a_snapshot_instead_of_a_reset(snap_pub, loss_marker):
     """A gap replay cannot fill, or a loss marker: either way the subscriber asks
     for a snapshot and ends with the truth, never resetting the source."""
-    ep, snap = inproc("pub"), inproc("snap")
+    tight = {"high_watermark": 1, "stall_timeout": 0}
+    p, ep, snap = snap_pub(max_queue_size=3, loss_marker=loss_marker, **tight)
     batches: list[Any] = []
     with Subscriber(ep, mode="refcount", snapshot_endpoints=snap) as sub:
-        p = CoalescingPublisher(
-            endpoint=ep,
-            snapshot_endpoint=snap,
-            max_queue_size=3,
-            high_watermark=1,
-            stall_timeout=0,
-            loss_marker=loss_marker,
-        )
         wait_for(lambda: _heard(p, sub), what="the subscriber to hear the publisher")
         batches += [offload(i) for i in range(8)]
         for b in batches:
