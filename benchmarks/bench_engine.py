@@ -8,7 +8,9 @@ column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
 alternate, ``--rounds`` times per size; medians.  ``coalesce+snap`` records
-for snapshots (``snapshot_endpoint``, opt-in).  ``engine vs stock`` is the
+for snapshots (``snapshot_endpoint``, opt-in); ``coalesce+snap, as sent`` too,
+with each batch it sent as it came recorded as it was (``RECORD_WINDOW=0``),
+not gathered and compacted first.  ``engine vs stock`` is the
 loop's wall time over stock's in the same round; ``publish()`` percentiles
 are of every call of the round (medians over rounds).  ``stock blocked``: the
 most calls in a round that found vLLM's queue full (its ``publish()`` waited).
@@ -28,6 +30,7 @@ idle sender): what the loop, the call and the wake cost on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import platform
@@ -44,11 +47,14 @@ from _reader import start_reader, stop_reader
 from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
-from coalesce.testing import IDLE_POLL
+from coalesce.testing import IDLE_POLL, policy
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import header, row, run
 
-KINDS = ("stock", "coalesce", "coalesce+snap")
+KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+snap, as sent")
+AS_SENT = "coalesce+snap, as sent"
+"""Snapshots on, each batch sent as it came recorded as it was (``RECORD_WINDOW=0``):
+the A/B of the recorder's feed compacting what it gathers."""
 FLOORS = ("floor: call", "floor: wake")
 
 
@@ -127,7 +133,7 @@ def one_run(
             0,
             endpoint=endpoint,
             max_queue_size=100,
-            snapshot_endpoint=f"tcp://*:{snap_port}" if kind == "coalesce+snap" else None,
+            snapshot_endpoint=f"tcp://*:{snap_port}" if "snap" in kind else None,
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
@@ -207,9 +213,9 @@ def main() -> None:
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
-                runs[kind].append(
-                    one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin)
-                )
+                with policy(RECORD_WINDOW=0) if kind == AS_SENT else contextlib.nullcontext():
+                    run_ = one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin)
+                runs[kind].append(run_)
             for kind in kinds:
                 ratios[kind].append(runs[kind][-1][0] / runs["stock"][-1][0])
         for kind in kinds:

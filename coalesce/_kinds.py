@@ -24,6 +24,7 @@ __all__ = [
     "event_kind",
     "event_kind_of_class",
     "is_kv_batch",
+    "n_events",
 ]
 
 OPAQUE, STORED, REMOVED, CLEARED = 0, 1, 2, 3
@@ -79,3 +80,12 @@ def is_kv_batch(batch: Any) -> bool:
 def all_kv_classes(classes: Iterable[type]) -> bool:
     """True when every one of ``classes`` is a KV event class.  O(classes)."""
     return all(event_kind_of_class(cls) != OPAQUE for cls in classes)
+
+
+def n_events(batch: Any) -> int:
+    """Events in a batch as it is now (0 if a caller replaced its list by something
+    that has no length).  O(1)."""
+    try:
+        return len(batch.events)
+    except Exception:
+        return 0

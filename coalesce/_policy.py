@@ -12,6 +12,7 @@ __all__ = [
     "COST_SAMPLES",
     "PRESSURE_FROM",
     "PRESSURE_SLICE",
+    "RECORD_WINDOW",
     "WHOLE_FROM",
     "WIDEN_UP_TO",
     "YIELD_EVERY",
@@ -46,6 +47,14 @@ than a window as it is, in one encode (:func:`sends_whole`)."""
 WIDEN_UP_TO = 4
 """At most this many times ``max_events_per_step`` in one rules window, when the
 rest of the sender's GIL slice holds them at the rules' measured cost."""
+
+
+RECORD_WINDOW = 512
+"""Events of batches sent as they came (not through the rules) that the snapshot
+recorder's feed gathers, then records as the compactor's output of them: the
+same state for every subscriber model, with chains and removal lists merged
+and cancelling pairs gone before the recorder's per-event work.  0: each
+batch recorded as it was sent."""
 
 
 COST_SAMPLES = 7

@@ -1,14 +1,15 @@
 """The snapshot recorder: the state a snapshot serves, as a replay program.
 
 Pure state, no I/O and no threads: the sender thread feeds it every batch
-``publish()`` accepted or refused, in publish order (what it sent, after
-compaction, or what it refused), and :meth:`Recorder.chunks` writes the state
+``publish()`` accepted or refused, in publish order (what it sent after the
+rules, the compactor's output of what it sent as it came, or what it refused:
+coalesce/_snapshot.py), and :meth:`Recorder.chunks` writes the state
 out as vLLM PR #57789's *replay program*: the recorded ``BlockStored`` events
 that are still needed, whole and in the order they were recorded, then the
 ``BlockRemoved`` events that bring every key back to its count.  A fresh
 index that applies the program holds what an index that applied every
-recorded batch holds; since no store is split or rebuilt, every field a
-consumer reads (tokens, extra keys, locality...) is as the engine sent it.
+recorded batch holds; since no recorded store is split or rebuilt, every
+field a consumer reads (tokens, extra keys, locality...) is as recorded.
 
 The state:
 

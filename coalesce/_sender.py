@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
+from coalesce._kinds import n_events
 from coalesce._policy import (
     YIELD_EVERY,
     GilSlice,
@@ -122,7 +123,6 @@ class Sender:
             None if router is None else ReplayService.from_settings(router, buffer, topic, settings)
         )
         self.snapshot = snapshot
-        self._record = None if snapshot is None else snapshot.record
         self.limited = RateLimited()
         self.totals = Totals()
         self.loss_told = {
@@ -317,7 +317,7 @@ class Sender:
                 return
             assert isinstance(item, tuple)
             self._send_taken(item[0], item[1])
-            self._record_sent([item[0]])
+            self._record_sent([item[0]], compacted=False)
             return
         step = settings.max_events_per_step
         step = 4 * step if level == Level.FOLD_ONLY else self._rules_window(step)
@@ -327,7 +327,7 @@ class Sender:
             return
         assert isinstance(window, list)
         self._in_flight = (len(window), backlog.events_out - taken_events)
-        self._record_sent(self._send_window(window, level, step))
+        self._record_sent(self._send_window(window, level, step), level == Level.RULES)
         self.done += len(window)
         self._in_flight = (0, 0)
 
@@ -342,19 +342,22 @@ class Sender:
         if self._backlog.pending > self._settings.high_watermark:
             self._backlog.stage()
 
-    def _record_sent(self, batches: list[Any]) -> None:
-        """The recorder (if snapshots are on) sees ``batches``, just sent.  O(hashes)."""
-        record = self._record
-        if record is None:
+    def _record_sent(self, batches: list[Any], compacted: bool) -> None:
+        """The recorder (if snapshots are on) sees ``batches``, just sent (``compacted``:
+        by the rules); once nothing waits to be sent, it has seen all of it, before
+        ``done`` counts them.  O(hashes), amortised."""
+        snapshot = self.snapshot
+        if snapshot is None:
             return
-        for b in batches:
-            record(b)
+        snapshot.record(batches, compacted)
+        if not len(self._backlog):
+            snapshot.settle()
 
     def _send_window(self, window: list[Any], level: Level, step: int) -> list[Any]:
         """The rules (or, at the fold-only level, the fold) on the event objects (C
         or Python), then encode.  Returns the batches the recorder must see."""
         rules = level == Level.RULES
-        if rules and len(window) == 1 and _n_events(window[0]) > step:
+        if rules and len(window) == 1 and n_events(window[0]) > step:
             return self._send_big(window[0], self._settings.max_events_per_step)
         if not rules and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
@@ -374,7 +377,7 @@ class Sender:
         """The rules (or the fold) on the event objects: :func:`compact_for_wire`
         (merged lists written as their encoding) unless a recorder reads the result
         or ``BlockMoved`` events are wanted.  O(events + block hashes)."""
-        if self._record is None and not self._settings.move_events:
+        if self.snapshot is None and not self._settings.move_events:
             return compact_for_wire(window, fold_only=fold_only)
         return compact(window, move_events=self._settings.move_events, fold_only=fold_only)
 
@@ -450,7 +453,7 @@ class Sender:
     def _emit_all(self, out: list[Any], payloads: list[bytes], rep: Any, fold_only: bool) -> None:
         """Send each batch of :meth:`_compact_encode`'s result, and count its pass."""
         for b, payload in zip(out, payloads, strict=True):
-            self._emit(payload, _n_events(b))
+            self._emit(payload, n_events(b))
         if rep is not None:
             self.totals.add_pass(rep, fold_only=fold_only)
 
@@ -460,15 +463,13 @@ class Sender:
         self._stream.lose()
         snapshot = self.snapshot
         if snapshot is not None:
-            for b in marker.refused or ():
-                snapshot.record(b)
+            snapshot.record(marker.refused or ())
             if marker.overflow:
                 snapshot.invalidate("more batches refused than the record bound keeps")
-            if (
-                self._settings.loss_marker == "resync"
-                and snapshot.recorder.held * RESYNC_SHARE <= self._backlog.max_events
-            ):
-                snapshot.start_resync()  # (not while it is inexact, or a reply is built)
+            if self._settings.loss_marker == "resync":
+                snapshot.settle()
+                if snapshot.recorder.held * RESYNC_SHARE <= self._backlog.max_events:
+                    snapshot.start_resync()  # (not while it is inexact, or a reply is built)
 
     def _resync_step(self, snapshot: SnapshotService) -> None:
         """Send the next chunk of an in-band resync: the recorder's program after a
@@ -546,7 +547,7 @@ class Sender:
     def _send_each(self, batches: list[Any]) -> None:
         """Send batches one by one as they were given (each encodes, or is lost visibly)."""
         for b in batches:
-            self._send_one(b, _n_events(b))
+            self._send_one(b, n_events(b))
 
     def _send_one(self, batch: Any, n_events: int) -> None:
         """Encode and send one batch; a batch the encoder rejects is lost, visibly."""
@@ -634,11 +635,3 @@ class Sender:
             self._show_loss()
         except Exception:  # the socket itself is broken: nothing more can be said on it
             log.exception("kv-coalesce: could not show the final loss")
-
-
-def _n_events(batch: Any) -> int:
-    """Events in a batch as it is now (0 if a caller replaced its list by something else)."""
-    try:
-        return len(batch.events)
-    except Exception:
-        return 0

@@ -7,8 +7,13 @@ message the snapshot covers (-1: nothing sent yet; -2: unavailable) and each
 chunk is one encoded batch ``[ts, events, data_parallel_rank]`` of the
 recorder's replay program (:class:`coalesce._recorder.Recorder`).
 
-The sender thread owns it and calls :meth:`SnapshotService.step` from its
-loop.  A reply is built a chunk per step (bounded work), while live sending
+The sender thread owns it, gives it every batch it sent or refused
+(:meth:`SnapshotService.record`) and calls :meth:`SnapshotService.step` from its
+loop.  Batches sent as they came (not through the rules) are gathered and
+recorded as the compactor's output of each window of them: the same state for
+every subscriber model, at a fraction of the recorder's per-event work.  What
+is gathered is recorded before a reply or a resync starts, and whenever the
+sender has caught up.  A reply is built a chunk per step (bounded work), while live sending
 goes on between steps; the recorder is frozen meanwhile, and the batches it
 should record wait in a deferred list, applied once the reply is built.
 Requests that arrive while a reply is being built wait for the next one,
@@ -27,14 +32,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, ClassVar
 
 import zmq
 
+from coalesce import _policy
+from coalesce._kinds import n_events
 from coalesce._recorder import Recorder
 from coalesce._settings import Settings
 from coalesce._wire import Encoder, read_requests
+from coalesce.compactor import compact
 
 __all__ = ["HEARTBEAT", "NOTHING_SENT", "SnapshotService", "UNAVAILABLE"]
 
@@ -93,6 +101,8 @@ class SnapshotService:
         self._resync: Generator[list[Any], None, None] | None = None
         self._deferred: deque[Any] = deque()
         self._deferred_events = 0
+        self._gathered: list[Any] = []
+        self._gathered_events = 0
         self.requests = self.invalid = self.refused = self.abandoned = 0
         self.replies = self.unavailable = self.chunks_sent = 0
         self._was_valid = True
@@ -140,19 +150,56 @@ class SnapshotService:
 
     # -- the feed ----------------------------------------------------------------
 
-    def record(self, batch: Any) -> None:
-        """Give the recorder one batch (published, sent or lost), in publish order.
+    def record(self, batches: Iterable[Any], compacted: bool = False) -> None:
+        """Give the recorder ``batches`` (sent or refused), in publish order.
 
-        O(hashes); deferred (O(1)) while a reply is being built.  Past
-        ``max_deferred_events`` waiting the reply is abandoned (its clients get
-        ``-2`` and ask again) so that the deferred list stays bounded.
+        ``compacted``: already the rules' output; recorded at once, after what
+        was gathered before them.  Else gathered, up to
+        :data:`~coalesce._policy.RECORD_WINDOW` events, then recorded as the
+        compactor's output of them (:meth:`settle`).  O(hashes), amortised.
+
+        While a reply or a resync is being built, they wait in a deferred list
+        (O(1) a batch) instead.  Past ``max_deferred_events`` waiting the reply
+        is abandoned (its clients get ``-2`` and ask again) so that the list
+        stays bounded.
         """
-        if self._round is None and self._resync is None:
-            self._record(batch)
+        if self._round is not None or self._resync is not None:
+            for batch in batches:
+                self._defer(batch)
             return
+        if compacted:
+            self.settle()
+            for batch in batches:
+                self._record(batch)
+            return
+        for batch in batches:
+            self._gathered.append(batch)
+            self._gathered_events += n_events(batch)
+        if self._gathered_events >= _policy.RECORD_WINDOW:
+            self.settle()
+
+    def settle(self) -> None:
+        """Record what was gathered, in windows of about ``RECORD_WINDOW`` events,
+        each as the compactor's output of it (as it was, where the rules cannot
+        handle it).  O(events and hashes gathered)."""
+        gathered, self._gathered, self._gathered_events = self._gathered, [], 0
+        start = events = 0
+        for i, batch in enumerate(gathered):
+            events += n_events(batch)
+            if events >= _policy.RECORD_WINDOW or i + 1 == len(gathered):
+                self._record_window(gathered[start : i + 1])
+                start, events = i + 1, 0
+
+    def _record_window(self, window: list[Any]) -> None:
+        if _policy.RECORD_WINDOW > 0:
+            with contextlib.suppress(Exception):  # as it was: the recorder says what it cannot read
+                window = compact(window)[0]
+        for batch in window:
+            self._record(batch)
+
+    def _defer(self, batch: Any) -> None:
         self._deferred.append(batch)
-        with contextlib.suppress(Exception):  # the recorder will find it out
-            self._deferred_events += len(batch.events)
+        self._deferred_events += n_events(batch)
         if self._deferred_events > self._max_deferred:
             if self._round is not None:
                 self._finish(UNAVAILABLE, "the live stream outran it")
@@ -161,6 +208,7 @@ class SnapshotService:
 
     def invalidate(self, reason: str) -> None:
         """Batches were lost before reaching the recorder: it cannot be exact."""
+        self.settle()
         if self._round is not None:
             self._finish(UNAVAILABLE, reason)
         self.recorder.invalidate(reason)
@@ -199,7 +247,10 @@ class SnapshotService:
     def start_resync(self) -> bool:
         """Begin a resync of the recorder's state (after a loss marker).  False, and
         nothing begun, while the recorder is not exact or a reply is being built."""
-        if self._resync is not None or self._round is not None or not self.recorder.valid:
+        if self._resync is not None or self._round is not None:
+            return False
+        self.settle()
+        if not self.recorder.valid:
             return False
         self._resync = self.recorder.chunks()
         return True
@@ -238,6 +289,7 @@ class SnapshotService:
             if not self._waiting or self._resync is not None:  # (one walk at a time)
                 return did
             clients, self._waiting = self._waiting, []
+            self.settle()  # the state as of covered_seq()
             if not self.recorder.valid:
                 self._reply(clients, UNAVAILABLE, [])
                 return True
@@ -293,8 +345,7 @@ class SnapshotService:
     def _catch_up(self) -> None:
         """Record what waited while the recorder was frozen."""
         deferred, self._deferred, self._deferred_events = self._deferred, deque(), 0
-        for batch in deferred:
-            self._record(batch)
+        self.record(deferred)
 
     def close(self) -> None:
         """Close the ROUTER (the sender thread calls it when it stops)."""

@@ -100,7 +100,10 @@ class PublisherStats:
         "Snapshot requests answered -2: the recorder was not exact, or a reply was abandoned."
     )
     snapshot_abandoned: int = _counter("Snapshot replies that could not be sent (client gone).")
-    snapshot_blocks: int = _gauge("Keys the snapshot recorder holds right now.")
+    snapshot_blocks: int = _gauge(
+        "Keys the snapshot recorder holds right now (while the sender is behind, as of "
+        "at most one window of batches ago)."
+    )
     snapshot_exact: bool = _gauge(
         "1 while snapshots are on and the recorder is exact; 0 while it is unavailable "
         "(until the next AllBlocksCleared) or snapshots are off."

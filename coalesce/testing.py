@@ -29,7 +29,9 @@ __all__ = [
     "without_accelerator",
 ]
 
-POLICY = frozenset({"PRESSURE_FROM", "PRESSURE_SLICE", "WHOLE_FROM", "WIDEN_UP_TO"})
+POLICY = frozenset(
+    {"PRESSURE_FROM", "PRESSURE_SLICE", "RECORD_WINDOW", "WHOLE_FROM", "WIDEN_UP_TO"}
+)
 """The sender's tuning constants :func:`policy` may set (coalesce/_policy.py)."""
 
 

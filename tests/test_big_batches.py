@@ -88,18 +88,19 @@ def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, near_b
 
 
 def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
-    """The recorder is given what the budget refused, at its loss marker, between
-    what was sent before it and after it."""
-    import coalesce._recorder as recorder
+    """The recorder's feed is given what the budget refused, at its loss marker,
+    between what was sent before it and after it, and ends holding all three."""
+    import coalesce._snapshot as snapshot
 
     seen: list[int] = []
-    real = recorder.Recorder.record
+    real = snapshot.SnapshotService.record
 
-    def spy(self: Any, batch: Any) -> None:
-        seen.append(len(batch.events))
-        real(self, batch)
+    def spy(self: Any, batches: Any, compacted: bool = False) -> None:
+        batches = list(batches)
+        seen.extend(len(b.events) for b in batches)
+        real(self, batches, compacted)
 
-    monkeypatch.setattr(recorder.Recorder, "record", spy)
+    monkeypatch.setattr(snapshot.SnapshotService, "record", spy)
     first, refused, after = chain(1000, 60), chain(2000, 640), chain(5000, 200)
     p = pubs(endpoint=inproc("pub"), max_pending_events=1000, snapshot_endpoint=inproc("snap"))
     with held(p):
@@ -107,10 +108,11 @@ def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
         assert p.publish(refused) is PublishOutcome.DROPPED
         assert p.publish(after) is PublishOutcome.QUEUED
     assert p.flush(10)
-    assert p.stats().batches_dropped == 1
+    st = p.stats()
+    assert st.batches_dropped == 1
     assert seen[: seen.index(len(refused.events))] == [len(first.events)]
     assert sum(seen) == len(first.events) + len(refused.events) + len(after.events)
-    assert p.stats().snapshot_exact
+    assert st.snapshot_exact and st.snapshot_blocks == (60 + 640 + 200) // 2
 
 
 def test_sends_whole_past_its_share_of_the_budget_growing_or_not():

@@ -176,6 +176,49 @@ def test_the_compacted_stream_records_the_same_state(batches):
     assert _record(out).state() == _record(batches).state()
 
 
+def _fed(batches: list[Any], data: Any) -> Recorder:
+    """The recorder as the snapshot service's feed leaves it: ``batches`` given in
+    groups of random sizes, gathered in windows of a random size and recorded as
+    the compactor's output of each window (0: as given), then settled."""
+    from coalesce._snapshot import SnapshotService
+    from coalesce.testing import policy
+
+    window = data.draw(st.sampled_from([0, 1, 5, 64, 512]), label="RECORD_WINDOW")
+    svc = SnapshotService(None, _new(), None, 0, max_response_bytes=1 << 30, max_deferred_events=0)
+    with policy(RECORD_WINDOW=window):
+        i = 0
+        while i < len(batches):
+            n = data.draw(st.integers(1, 4), label="group")
+            svc.record(batches[i : i + n], compacted=data.draw(st.booleans(), label="as given"))
+            svc.recorder.check()
+            i += n
+        svc.settle()
+    return svc.recorder
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch_lists(), st.data())
+def test_the_feeds_windows_record_the_same_program(batches, data):
+    """Gathered and compacted in windows, or recorded as given: the program, with
+    the rest of the stream after it, is the full stream."""
+    cut = data.draw(st.integers(0, len(batches)))
+    rec = _fed(batches[:cut], data)
+    assert rec.state() == _model("refcount").apply_batches(batches[:cut]).state()
+    resumed = _apply(_model("refcount"), _snapshot_events(rec)).apply_batches(batches[cut:])
+    assert resumed.state() == _model("refcount").apply_batches(batches).state()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(chained_streams(), batch_lists().map(_closed_only)), st.data())
+def test_a_parent_checking_subscriber_accepts_the_feeds_program(batches, data):
+    """Recorded from compacted windows, every kept store still follows its parents."""
+    snap = _snapshot_events(_fed(batches, data))
+    for mode in ("llmd", "dynamo"):
+        model = _apply(_model(mode), snap)
+        assert model.dropped_stores == 0, mode
+        assert model.state() == _model(mode).apply_batches(batches).state(), mode
+
+
 def _store(hashes, parent, medium="GPU", tokens=None, **kw):
     return BlockStored(
         block_hashes=list(hashes),

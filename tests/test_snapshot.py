@@ -148,6 +148,35 @@ def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
     assert p.stats().snapshot_blocks == len(truth(batches))
 
 
+def test_a_reply_covers_what_the_feed_had_gathered():
+    """Batches the feed gathers (not yet a window) are recorded before a reply is
+    built: the reply for a seq covers every batch given before it."""
+    from coalesce._recorder import Recorder
+    from coalesce._snapshot import SnapshotService
+    from coalesce.testing import policy
+
+    ctx, ep = zmq.Context.instance(), inproc("snap")
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind(ep)
+    dealer.connect(ep)
+    svc = SnapshotService(
+        router, Recorder(10_000), b"p", 0, max_response_bytes=1 << 30, max_deferred_events=99
+    )
+    batches = [offload(i) for i in range(6)]
+    try:
+        with policy(RECORD_WINDOW=10**6):
+            svc.record(batches)
+            assert svc.recorder.held == 0, "gathered: a window is not full yet"
+            dealer.send(b"snapshot")
+            wait_for(lambda: svc.step(lambda: 41) and not svc.busy, what="the reply")
+        assert dealer.poll(10_000), "no snapshot reply"
+        seq, model = reply_state(dealer.recv_multipart())
+        assert seq == 41 and model.state() == truth(batches)
+    finally:
+        svc.close()
+        dealer.close(linger=0)
+
+
 def test_nothing_sent_yet_is_minus_one(snap_pub):
     p, _, snap = snap_pub()
     frames = request(snap)
