@@ -163,18 +163,15 @@ class SnapshotService:
         is abandoned (its clients get ``-2`` and ask again) so that the list
         stays bounded.
         """
-        if self._round is not None or self._resync is not None:
-            for batch in batches:
+        for batch in batches:  # (a reply abandoned on the way unfreezes it)
+            if self._round is not None or self._resync is not None:
                 self._defer(batch)
-            return
-        if compacted:
-            self.settle()
-            for batch in batches:
+            elif compacted:
+                self.settle()
                 self._record(batch)
-            return
-        for batch in batches:
-            self._gathered.append(batch)
-            self._gathered_events += n_events(batch)
+            else:
+                self._gathered.append(batch)
+                self._gathered_events += n_events(batch)
         if self._gathered_events >= _policy.RECORD_WINDOW:
             self.settle()
 
@@ -182,6 +179,8 @@ class SnapshotService:
         """Record what was gathered, in windows of about ``RECORD_WINDOW`` events,
         each as the compactor's output of it (as it was, where the rules cannot
         handle it).  O(events and hashes gathered)."""
+        if not self._gathered:
+            return
         gathered, self._gathered, self._gathered_events = self._gathered, [], 0
         start = events = 0
         for i, batch in enumerate(gathered):

@@ -148,33 +148,69 @@ def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
     assert p.stats().snapshot_blocks == len(truth(batches))
 
 
-def test_a_reply_covers_what_the_feed_had_gathered():
-    """Batches the feed gathers (not yet a window) are recorded before a reply is
-    built: the reply for a seq covers every batch given before it."""
+@pytest.fixture
+def service():
+    """A snapshot service on an inproc ROUTER, and a DEALER connected to it."""
     from coalesce._recorder import Recorder
     from coalesce._snapshot import SnapshotService
-    from coalesce.testing import policy
 
     ctx, ep = zmq.Context.instance(), inproc("snap")
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     router.bind(ep)
     dealer.connect(ep)
-    svc = SnapshotService(
-        router, Recorder(10_000), b"p", 0, max_response_bytes=1 << 30, max_deferred_events=99
-    )
-    batches = [offload(i) for i in range(6)]
-    try:
-        with policy(RECORD_WINDOW=10**6):
-            svc.record(batches)
-            assert svc.recorder.held == 0, "gathered: a window is not full yet"
-            dealer.send(b"snapshot")
-            wait_for(lambda: svc.step(lambda: 41) and not svc.busy, what="the reply")
-        assert dealer.poll(10_000), "no snapshot reply"
-        seq, model = reply_state(dealer.recv_multipart())
-        assert seq == 41 and model.state() == truth(batches)
-    finally:
+    made: list[Any] = []
+
+    def make(max_deferred_events: int = 10_000) -> tuple[Any, Any]:
+        svc = SnapshotService(
+            router,
+            Recorder(10_000),
+            b"p",
+            0,
+            max_response_bytes=1 << 30,
+            max_deferred_events=max_deferred_events,
+        )
+        made.append(svc)
+        return svc, dealer
+
+    yield make
+    for svc in made:
         svc.close()
-        dealer.close(linger=0)
+    dealer.close(linger=0)
+
+
+def test_a_reply_covers_what_the_feed_had_gathered(service):
+    """Batches the feed gathers (not yet a window) are recorded before a reply is
+    built: the reply for a seq covers every batch given before it."""
+    from coalesce.testing import policy
+
+    svc, dealer = service()
+    batches = [offload(i) for i in range(6)]
+    with policy(RECORD_WINDOW=10**6):
+        svc.record(batches)
+        assert svc.recorder.held == 0, "gathered: a window is not full yet"
+        dealer.send(b"snapshot")
+        wait_for(lambda: svc.step(lambda: 41) and not svc.busy, what="the reply")
+    assert dealer.poll(10_000), "no snapshot reply"
+    seq, model = reply_state(dealer.recv_multipart())
+    assert seq == 41 and model.state() == truth(batches)
+
+
+def test_batches_after_an_abandoned_reply_are_recorded_in_order(service):
+    """The deferred list outgrows its bound in the middle of a list of batches: the
+    reply is abandoned, and the rest of the list is recorded, in order."""
+    svc, dealer = service(max_deferred_events=2)
+    before = [offload(i) for i in range(4)]
+    svc.record(before)
+    dealer.send(b"snapshot")
+    wait_for(lambda: svc.step(lambda: 3) and svc.busy, what="a reply to start")
+    # the first is past the bound; the last, alone, is not
+    after = [offload(i) for i in range(4, 8)] + [batch(store([99], None))]
+    svc.record(after)
+    svc.settle()
+    assert svc.recorder.state() == truth(before + after)
+    assert dealer.poll(10_000) and dealer.recv_multipart()[0] == (-2).to_bytes(
+        8, "big", signed=True
+    )
 
 
 def test_nothing_sent_yet_is_minus_one(snap_pub):
