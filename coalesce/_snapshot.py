@@ -8,16 +8,16 @@ chunk is one encoded batch ``[ts, events, data_parallel_rank]`` of the
 recorder's replay program (:class:`coalesce._recorder.Recorder`).
 
 The sender thread owns it, gives it every batch it sent or refused
-(:meth:`SnapshotService.record`) and calls :meth:`SnapshotService.step` from its
-loop.  Batches sent as they came (not through the rules) are gathered and
+(:meth:`SnapshotService.record`) and calls :meth:`SnapshotService.step` from
+its loop.  Batches sent as they came (not through the rules) are gathered and
 recorded as the compactor's output of each window of them: the same state for
 every subscriber model, at a fraction of the recorder's per-event work.  What
 is gathered is recorded before a reply or a resync starts, and whenever the
-sender has caught up.  A reply is built a chunk per step (bounded work), while live sending
-goes on between steps; the recorder is frozen meanwhile, and the batches it
-should record wait in a deferred list, applied once the reply is built.
-Requests that arrive while a reply is being built wait for the next one,
-which starts from the newer state.  Nothing here touches ``publish()``.
+sender has caught up.  A reply is built a chunk per step (bounded work), while
+live sending goes on between steps; the recorder is frozen meanwhile, and the
+batches it should record wait in a deferred list, applied once the reply is
+built.  Requests that arrive while a reply is being built wait for the next
+one, which starts from the newer state.  Nothing here touches ``publish()``.
 
 With ``loss_marker="resync"`` the same recorder also feeds an *in-band
 resync*: after a loss marker, the sender sends the recorder's program on the
