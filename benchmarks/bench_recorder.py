@@ -12,7 +12,12 @@ recorder (coalesce/_recorder.py: the replay-program state of vLLM PR
 - ``record``: the recorder fed each batch (a fresh recorder per pass, so stores
   are new keys as in a live stream);
 - ``record compacted``: the recorder fed the rules' output of each window
-  (what the sender records under pressure).
+  (what the sender records under pressure), the compaction not counted;
+- ``feed, behind`` and ``feed, caught up``: the batches given one by one to
+  the snapshot service's feed, which gathers them and records the compactor's
+  output of each ``RECORD_WINDOW`` of events (a sender that is behind), or of
+  each batch (a sender that has caught up after every batch), the
+  compaction counted.
 
 Then the engine's share: an engine thread runs steps of Python work and a
 GIL-free wait (a GPU step's shape), handing one batch per step to a sender
@@ -47,7 +52,7 @@ from bench_compact import alternate, make_batch, seed_batches, workloads
 
 from coalesce import compactor
 from coalesce.events import BlockStored, KVEventBatch
-from coalesce.testing import Encoder, Recorder
+from coalesce.testing import Encoder, Recorder, SnapshotService
 from coalesce_tools.results import header, row, run
 
 Window = list[Any]
@@ -75,11 +80,27 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
 
         return record
 
+    def feed(caught_up: bool) -> Callable[[], Any]:
+        def record() -> Any:
+            svc = SnapshotService(
+                None, Recorder(10_000_000), None, 0, max_response_bytes=0, max_deferred_events=0
+            )
+            for b in batches:
+                svc.record((b,))
+                if caught_up:
+                    svc.settle()
+            svc.settle()
+            return svc
+
+        return record
+
     return {
         "raw": raw,
         "decode": decode,
         "record": recorder(batches),
         "record compacted": recorder(compacted),
+        "feed, behind": feed(False),
+        "feed, caught up": feed(True),
     }
 
 
@@ -188,14 +209,23 @@ def main() -> None:
         f"# bench_recorder: {platform.python_version()}, msgspec {msgspec.__version__}, "
         f"{args.rounds} rounds x {args.seconds} s, medians\n"
     )
-    header("workload", "raw encode ns/event", "decode", "record", "record compacted")
+    header(
+        "workload",
+        "raw encode ns/event",
+        "decode",
+        "record",
+        "record compacted",
+        "feed, behind",
+        "feed, caught up",
+    )
     gc.collect()
     for name, windows in workloads(args.window).items():
         per = measure(windows, args.seconds, args.rounds)
         raw = per["raw"]
         print(
             f"| {name} | {raw * 1e9:.0f} | {per['decode'] / raw:.2f}x | "
-            f"{per['record'] / raw:.2f}x | {per['record compacted'] / raw:.2f}x |",
+            f"{per['record'] / raw:.2f}x | {per['record compacted'] / raw:.2f}x | "
+            f"{per['feed, behind'] / raw:.2f}x | {per['feed, caught up'] / raw:.2f}x |",
             flush=True,
         )
     print()

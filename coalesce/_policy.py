@@ -12,6 +12,7 @@ __all__ = [
     "COST_SAMPLES",
     "PRESSURE_FROM",
     "PRESSURE_SLICE",
+    "RECORD_FROM",
     "RECORD_WINDOW",
     "WHOLE_FROM",
     "WIDEN_UP_TO",
@@ -55,6 +56,11 @@ recorder's feed gathers, then records as the compactor's output of them: the
 same state for every subscriber model, with chains and removal lists merged
 and cancelling pairs gone before the recorder's per-event work.  0: each
 batch recorded as it was sent."""
+
+RECORD_FROM = 32
+"""Fewest events of a gathered window that the feed compacts; a smaller one (a
+sender that caught up after a small batch) is recorded as it was: the
+compactor's cost per call is more than it saves the recorder on so few."""
 
 
 COST_SAMPLES = 7

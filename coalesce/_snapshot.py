@@ -178,19 +178,24 @@ class SnapshotService:
     def settle(self) -> None:
         """Record what was gathered, in windows of about ``RECORD_WINDOW`` events,
         each as the compactor's output of it (as it was, where the rules cannot
-        handle it).  O(events and hashes gathered)."""
+        handle it, or under ``RECORD_FROM`` events).  O(events and hashes gathered)."""
         if not self._gathered:
             return
-        gathered, self._gathered, self._gathered_events = self._gathered, [], 0
+        gathered, self._gathered = self._gathered, []
+        total, self._gathered_events = self._gathered_events, 0
+        if total < _policy.RECORD_FROM or _policy.RECORD_WINDOW <= 0:
+            for batch in gathered:
+                self._record(batch)
+            return
         start = events = 0
         for i, batch in enumerate(gathered):
             events += n_events(batch)
             if events >= _policy.RECORD_WINDOW or i + 1 == len(gathered):
-                self._record_window(gathered[start : i + 1])
+                self._record_window(gathered[start : i + 1], events)
                 start, events = i + 1, 0
 
-    def _record_window(self, window: list[Any]) -> None:
-        if _policy.RECORD_WINDOW > 0:
+    def _record_window(self, window: list[Any], events: int) -> None:
+        if events >= _policy.RECORD_FROM:
             with contextlib.suppress(Exception):  # as it was: the recorder says what it cannot read
                 window = compact(window)[0]
         for batch in window:

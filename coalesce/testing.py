@@ -16,6 +16,7 @@ from typing import Any
 from coalesce import _policy, compactor
 from coalesce._recorder import Recorder
 from coalesce._sender import IDLE_POLL
+from coalesce._snapshot import SnapshotService
 from coalesce._wire import Encoder
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "POLICY",
     "Encoder",
     "Recorder",
+    "SnapshotService",
     "held",
     "policy",
     "tap_sends",
@@ -30,7 +32,14 @@ __all__ = [
 ]
 
 POLICY = frozenset(
-    {"PRESSURE_FROM", "PRESSURE_SLICE", "RECORD_WINDOW", "WHOLE_FROM", "WIDEN_UP_TO"}
+    {
+        "PRESSURE_FROM",
+        "PRESSURE_SLICE",
+        "RECORD_FROM",
+        "RECORD_WINDOW",
+        "WHOLE_FROM",
+        "WIDEN_UP_TO",
+    }
 )
 """The sender's tuning constants :func:`policy` may set (coalesce/_policy.py)."""
 

@@ -179,13 +179,15 @@ def test_the_compacted_stream_records_the_same_state(batches):
 def _fed(batches: list[Any], data: Any) -> Recorder:
     """The recorder as the snapshot service's feed leaves it: ``batches`` given in
     groups of random sizes, gathered in windows of a random size and recorded as
-    the compactor's output of each window (0: as given), then settled."""
+    the compactor's output of each window (0, or a window under ``RECORD_FROM``
+    events: as given), then settled."""
     from coalesce._snapshot import SnapshotService
     from coalesce.testing import policy
 
     window = data.draw(st.sampled_from([0, 1, 5, 64, 512]), label="RECORD_WINDOW")
+    least = data.draw(st.sampled_from([0, 32]), label="RECORD_FROM")
     svc = SnapshotService(None, _new(), None, 0, max_response_bytes=1 << 30, max_deferred_events=0)
-    with policy(RECORD_WINDOW=window):
+    with policy(RECORD_WINDOW=window, RECORD_FROM=least):
         i = 0
         while i < len(batches):
             n = data.draw(st.integers(1, 4), label="group")
