@@ -32,14 +32,7 @@ __all__ = [
 ]
 
 POLICY = frozenset(
-    {
-        "PRESSURE_FROM",
-        "PRESSURE_SLICE",
-        "RECORD_FROM",
-        "RECORD_WINDOW",
-        "WHOLE_FROM",
-        "WIDEN_UP_TO",
-    }
+    ["PRESSURE_FROM", "PRESSURE_SLICE", "RECORD_FROM", "RECORD_WINDOW", "WHOLE_FROM", "WIDEN_UP_TO"]
 )
 """The sender's tuning constants :func:`policy` may set (coalesce/_policy.py)."""
 
