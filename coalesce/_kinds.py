@@ -1,8 +1,9 @@
-"""Event classification: which of the KV events a struct is, by its tag and fields.
+"""Event classification: which of the KV events a struct is, by its tag and fields
+(and :func:`event_count`, a batch's events, for the sender and the snapshot feed).
 
-Used by the compactor (and nothing else: the reference models in
-``coalesce.refmodel`` read the wire tag themselves, so that a mistake here
-cannot hide in the oracle).  Recognition is by the msgspec tag and the
+The classification is used by the compactor (and nothing else: the reference
+models in ``coalesce.refmodel`` read the wire tag themselves, so that a
+mistake here cannot hide in the oracle).  Recognition is by the msgspec tag and the
 required field names, never by class identity, so vLLM's own
 ``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` qualify as well as
 ``coalesce.events``'; anything else is ``OPAQUE``.
@@ -21,10 +22,10 @@ __all__ = [
     "REMOVED",
     "STORED",
     "all_kv_classes",
+    "event_count",
     "event_kind",
     "event_kind_of_class",
     "is_kv_batch",
-    "n_events",
 ]
 
 OPAQUE, STORED, REMOVED, CLEARED = 0, 1, 2, 3
@@ -82,7 +83,7 @@ def all_kv_classes(classes: Iterable[type]) -> bool:
     return all(event_kind_of_class(cls) != OPAQUE for cls in classes)
 
 
-def n_events(batch: Any) -> int:
+def event_count(batch: Any) -> int:
     """Events in a batch as it is now (0 if a caller replaced its list by something
     that has no length).  O(1)."""
     try:

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from coalesce._backlog import Backlog, is_loss
-from coalesce._kinds import n_events
+from coalesce._kinds import event_count
 from coalesce._policy import (
     YIELD_EVERY,
     GilSlice,
@@ -357,7 +357,7 @@ class Sender:
         """The rules (or, at the fold-only level, the fold) on the event objects (C
         or Python), then encode.  Returns the batches the recorder must see."""
         rules = level == Level.RULES
-        if rules and len(window) == 1 and n_events(window[0]) > step:
+        if rules and len(window) == 1 and event_count(window[0]) > step:
             return self._send_big(window[0], self._settings.max_events_per_step)
         if not rules and len(window) == 1:
             # nothing to fold: compact() would only classify every event to return it
@@ -453,7 +453,7 @@ class Sender:
     def _emit_all(self, out: list[Any], payloads: list[bytes], rep: Any, fold_only: bool) -> None:
         """Send each batch of :meth:`_compact_encode`'s result, and count its pass."""
         for b, payload in zip(out, payloads, strict=True):
-            self._emit(payload, n_events(b))
+            self._emit(payload, event_count(b))
         if rep is not None:
             self.totals.add_pass(rep, fold_only=fold_only)
 
@@ -547,7 +547,7 @@ class Sender:
     def _send_each(self, batches: list[Any]) -> None:
         """Send batches one by one as they were given (each encodes, or is lost visibly)."""
         for b in batches:
-            self._send_one(b, n_events(b))
+            self._send_one(b, event_count(b))
 
     def _send_one(self, batch: Any, n_events: int) -> None:
         """Encode and send one batch; a batch the encoder rejects is lost, visibly."""

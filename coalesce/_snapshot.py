@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import zmq
 
 from coalesce import _policy
-from coalesce._kinds import n_events
+from coalesce._kinds import event_count
 from coalesce._recorder import Recorder
 from coalesce._settings import Settings
 from coalesce._wire import Encoder, read_requests
@@ -171,7 +171,7 @@ class SnapshotService:
                 self._record(batch)
             else:
                 self._gathered.append(batch)
-                self._gathered_events += n_events(batch)
+                self._gathered_events += event_count(batch)
         if self._gathered_events >= _policy.RECORD_WINDOW:
             self.settle()
 
@@ -189,7 +189,7 @@ class SnapshotService:
             return
         start = events = 0
         for i, batch in enumerate(gathered):
-            events += n_events(batch)
+            events += event_count(batch)
             if events >= _policy.RECORD_WINDOW or i + 1 == len(gathered):
                 self._record_window(gathered[start : i + 1], events)
                 start, events = i + 1, 0
@@ -203,7 +203,7 @@ class SnapshotService:
 
     def _defer(self, batch: Any) -> None:
         self._deferred.append(batch)
-        self._deferred_events += n_events(batch)
+        self._deferred_events += event_count(batch)
         if self._deferred_events > self._max_deferred:
             if self._round is not None:
                 self._finish(UNAVAILABLE, "the live stream outran it")
