@@ -52,7 +52,7 @@ from bench_compact import alternate, make_batch, seed_batches, workloads
 
 from coalesce import compactor
 from coalesce.events import BlockStored, KVEventBatch
-from coalesce.testing import Encoder, Recorder, SnapshotService
+from coalesce.testing import Encoder, Feed, Recorder
 from coalesce_tools.results import header, row, run
 
 Window = list[Any]
@@ -84,9 +84,7 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
 
     def feed(caught_up: bool) -> Callable[[], Any]:
         def record() -> Any:
-            svc = SnapshotService(
-                None, Recorder(10_000_000), None, 0, max_response_bytes=0, max_deferred_events=0
-            )
+            svc = Feed(Recorder(10_000_000), max_deferred_events=0)
             for b in batches:
                 svc.record((b,))
                 if caught_up:

@@ -33,6 +33,8 @@ import time
 from collections import deque
 from typing import Any, Final
 
+from coalesce.stats import BacklogStats
+
 __all__ = ["LOSS", "Backlog", "is_loss"]
 
 
@@ -100,6 +102,7 @@ class Backlog:
         self.batches_out = 0  # batches that left the hand-off deque (staged or taken)
         self.events_out = 0  # events taken for sending
         self.staged = 0  # batches in the staging deque
+        self.abandoned_batches = self.abandoned_events = 0  # taken, then not sent
 
     # -- engine thread -------------------------------------------------------
 
@@ -238,8 +241,15 @@ class Backlog:
         self._took(src, len(out), events)
         return out
 
+    def abandon(self, batches: int, events: int) -> None:
+        """Count batches taken and then not sent (the sender failed with them in hand)
+        as dropped.  O(1)."""
+        self.abandoned_batches += batches
+        self.abandoned_events += events
+
     def drain(self) -> tuple[int, int]:
-        """Discard what is left (shutdown past its deadline); return (batches, events)."""
+        """Discard what is left (shutdown past its deadline), counted as dropped;
+        return (batches, events)."""
         batches = events = 0
         for src in (self._staged, self._q):
             n = e = 0
@@ -250,6 +260,7 @@ class Backlog:
                     e += item[1]
             self._took(src, n, e)
             batches, events = batches + n, events + e
+        self.abandon(batches, events)
         return batches, events
 
     # -- any thread ----------------------------------------------------------
@@ -272,6 +283,19 @@ class Backlog:
     def pending_events(self) -> int:
         """Events in those batches (what ``max_events`` bounds).  O(1)."""
         return self.events_in - self.events_out
+
+    def stats(self) -> BacklogStats:
+        """The counters, frozen: refused and abandoned batches both count as dropped.
+        O(1)."""
+        return BacklogStats(
+            batches_in=self.batches_in,
+            events_in=self.events_in,
+            batches_dropped=self.batches_dropped + self.abandoned_batches,
+            events_dropped=self.events_dropped + self.abandoned_events,
+            backlog_batches=self.waiting,
+            backlog_events=self.pending_events,
+            backlog_peak=self.peak,
+        )
 
     def check(self) -> None:
         """Assert the invariants (tests call it after every mutation).  O(items)."""

@@ -57,7 +57,7 @@ from collections.abc import Callable, Generator, Iterator
 from types import ModuleType
 from typing import Any
 
-from coalesce._env import NO_ACCEL, switched_on
+from coalesce._layout import load_accelerator
 from coalesce.events import BlockRemoved, BlockStored
 
 __all__ = ["CHUNK_EVENTS", "Recorder"]
@@ -94,17 +94,7 @@ STORED, REMOVED, CLEARED, MOVED, OTHER = range(5)
 """Event kinds, by wire tag (OTHER: ignored, as the subscriber models do)."""
 
 
-def _load_accel() -> ModuleType | None:
-    if switched_on(NO_ACCEL):
-        return None
-    try:
-        from coalesce import _crecord
-    except ImportError:
-        return None
-    return _crecord
-
-
-_accel: ModuleType | None = _load_accel()
+_accel: ModuleType | None = load_accelerator("_crecord", "the recorder runs in Python", check=None)
 """The optional C loop (coalesce/_crecord.c), or None: not built, or disabled by
 setting ``COALESCE_NO_ACCEL=1``."""
 

@@ -12,13 +12,15 @@ docs/backpressure.md against it.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = [
-    "REMOVED",
+    "Budgets",
+    "LossMarker",
     "PublisherConfig",
     "Settings",
     "is_bind_endpoint",
@@ -26,13 +28,56 @@ __all__ = [
     "parse_flag",
 ]
 
-REMOVED = {
-    "payload_rules": "the rules on encoded bytes drained slower than on the event objects",
-    "coalescer": "a coalescer process drained slower and cost the engine as much as the thread",
-    "fold_only_events": "it only applied to payload_rules and the coalescer process",
+
+class LossMarker(str, enum.Enum):
+    """How a loss is told to subscribers (the ``loss_marker`` knob): the one list of
+    its names.  A ``str`` enum, so ``"clear"`` compares equal to ``LossMarker.CLEAR``."""
+
+    CLEAR = "clear"
+    """A batch holding one ``AllBlocksCleared`` takes the loss's seq."""
+    RESYNC = "resync"
+    """That marker, then the recorded state, in-band."""
+    GAP = "gap"
+    """A skipped seq."""
+
+    @property
+    def told(self) -> str:
+        """What a loss's log line says subscribers learn."""
+        return _TOLD[self]
+
+
+_TOLD = {
+    LossMarker.CLEAR: "subscribers are sent a loss marker (AllBlocksCleared)",
+    LossMarker.RESYNC: "subscribers are sent a loss marker (AllBlocksCleared), then the state",
+    LossMarker.GAP: "subscribers will see a sequence gap",
 }
-"""Knobs earlier versions had, and why each went (docs/decisions.md): given as a
-keyword or a ``COALESCE_*`` variable, each is ignored with a WARNING."""
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Every bound derived from ``max_pending_events``, named once
+    (docs/backpressure.md#budgets).  O(1)."""
+
+    events: int
+    """Events published and not yet sent past which ``publish()`` refuses a batch
+    (and batches: a batch counts at least one)."""
+    refused_recorded: int
+    """Events of refused batches one loss marker carries to the recorder (2x)."""
+    deferred: int
+    """Events the recorder's feed holds back while a walk runs (1x), past which the
+    walk is abandoned."""
+    resync_blocks: int
+    """Keys the recorder may hold for a resync to start after a loss (1/4): what it
+    sends is bounded by what the budget absorbs."""
+
+    @classmethod
+    def of(cls, max_pending_events: int) -> Budgets:
+        return cls(
+            events=max_pending_events,
+            refused_recorded=2 * max_pending_events,
+            deferred=max_pending_events,
+            resync_blocks=max_pending_events // 4,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +133,12 @@ def _endpoint(raw: Any) -> str | None:
     return raw.strip() or None
 
 
-def _loss_marker(raw: Any) -> str:
-    text = str(raw).strip().lower()
-    if text not in ("clear", "resync", "gap"):
-        raise ValueError("expected clear, resync or gap")
-    return text
+def _loss_marker(raw: Any) -> LossMarker:
+    text = str(raw.value if isinstance(raw, LossMarker) else raw).strip().lower()
+    try:
+        return LossMarker(text)
+    except ValueError:
+        raise ValueError("expected " + ", ".join(m.value for m in LossMarker)) from None
 
 
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
@@ -117,7 +163,7 @@ class Settings:
     """Events one compaction step takes (bounds each GIL hold of the sender); a rules
     window takes up to 4x as many while the rest of the sender's GIL slice holds them
     at the rules' measured cost."""
-    loss_marker: str = _knob("clear", _loss_marker)
+    loss_marker: LossMarker = _knob(LossMarker.CLEAR, _loss_marker)  # noqa: RUF009
     """How a loss (a batch refused past the budget, or one that cannot be encoded) is
     told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
     holding one ``AllBlocksCleared``, so the sequence has no hole and every consumer
@@ -178,15 +224,10 @@ class Settings:
                 raise ValueError(f"invalid {where}={raw!r}: {exc}") from None
         return cls(**values)
 
-    @classmethod
-    def removed_in_use(
-        cls, keywords: Mapping[str, Any], env: Mapping[str, str] | None = None
-    ) -> list[str]:
-        """The :data:`REMOVED` knobs given as keywords or variables, each named as given."""
-        env = os.environ if env is None else env
-        return [k for k in REMOVED if k in keywords] + [
-            env_name(k) for k in REMOVED if env_name(k) in env
-        ]
+    @property
+    def budgets(self) -> Budgets:
+        """The bounds derived from ``max_pending_events``."""
+        return Budgets.of(self.max_pending_events)
 
     @classmethod
     def names(cls) -> frozenset[str]:

@@ -6,7 +6,7 @@ one :class:`Stream` and sends through nothing else.
 
 A loss (a batch refused, abandoned or unencodable) is noted with
 :meth:`Stream.lose` and shown before the next message, in one of two forms
-(:data:`LOSS_MARKERS`):
+(:class:`~coalesce._settings.LossMarker`):
 
 - ``"clear"`` (the default): the loss takes a seq of its own, carried by a
   *loss marker*, a batch holding one ``AllBlocksCleared`` for this rank. The
@@ -22,18 +22,44 @@ A loss (a batch refused, abandoned or unencodable) is noted with
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import deque
 from collections.abc import Callable
 
-from coalesce._replay import ReplayBuffer
+from coalesce._settings import LossMarker
 from coalesce._wire import Encoder, SendMessage
 from coalesce.events import AllBlocksCleared
+from coalesce.stats import StreamStats
 
-__all__ = ["LOSS_MARKERS", "Stream"]
+__all__ = ["ReplayBuffer", "Stream"]
 
-LOSS_MARKERS = ("clear", "resync", "gap")
-"""How a loss is shown on the wire: a marker message (``clear``; ``resync``, whose
-state after it the sender sends) or a skipped seq (``gap``)."""
+
+class ReplayBuffer:
+    """The last ``capacity`` sent messages as ``(seq, payload)``, seqs increasing:
+    written by the :class:`Stream` as it sends, read by ``coalesce._replay``."""
+
+    def __init__(self, capacity: int) -> None:
+        self._buf: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+
+    def append(self, seq: int, payload: bytes) -> None:
+        """Remember a sent message, evicting the oldest at capacity.  O(1)."""
+        self._buf.append((seq, payload))
+
+    def index_of(self, seq: int) -> int:
+        """Position of the first message with ``seq >= seq``.  O(log n) probes."""
+        return bisect.bisect_left(self._buf, (seq,))
+
+    def __getitem__(self, i: int) -> tuple[int, bytes]:
+        return self._buf[i]
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    @property
+    def last_seq(self) -> int:
+        """The newest buffered seq, or -1."""
+        return self._buf[-1][0] if self._buf else -1
 
 
 class Stream:
@@ -92,21 +118,25 @@ class Stream:
         buffer: ReplayBuffer,
         encoder: Encoder,
         rank: int,
-        loss_marker: str,
+        loss_marker: LossMarker,
         beats: bool = False,
     ) -> Stream:
         """The stream of one DP rank's publisher: its empty batches and loss markers
         are that rank's, encoded by ``encoder``; ``loss_marker`` is the setting;
         ``beats``: it sends heartbeats (keep :attr:`last_sent`)."""
-        if loss_marker not in LOSS_MARKERS:
-            raise ValueError(f"loss_marker must be one of {LOSS_MARKERS}, not {loss_marker!r}")
+        if loss_marker not in tuple(LossMarker):
+            names = [m.value for m in LossMarker]
+            raise ValueError(f"loss_marker must be one of {names}, not {loss_marker!r}")
+        loss_marker = LossMarker(loss_marker)
         cleared = [AllBlocksCleared()]
         return cls(
             send,
             topic,
             buffer,
             empty=lambda: encoder.encode_now([], rank),
-            marker=(lambda: encoder.encode_now(cleared, rank)) if loss_marker != "gap" else None,
+            marker=(lambda: encoder.encode_now(cleared, rank))
+            if loss_marker is not LossMarker.GAP
+            else None,
             beats=beats,
         )
 
@@ -162,15 +192,15 @@ class Stream:
         else:
             self.heartbeat()
 
-    def published(self) -> dict[str, int]:
-        """The counters, as ``PublisherStats`` fields."""
-        return {
-            "messages_sent": self.messages_sent,
-            "events_sent": self.events_sent,
-            "bytes_sent": self.bytes_sent,
-            "seq_gaps": self.seq_gaps,
-            "loss_markers": self.loss_markers,
-        }
+    def stats(self) -> StreamStats:
+        """The counters, frozen.  O(1)."""
+        return StreamStats(
+            messages_sent=self.messages_sent,
+            events_sent=self.events_sent,
+            bytes_sent=self.bytes_sent,
+            seq_gaps=self.seq_gaps,
+            loss_markers=self.loss_markers,
+        )
 
     def _show(self) -> None:
         if self._marker is None:

@@ -125,9 +125,12 @@ def rule_stats() -> tuple[tuple[str, str], ...]:
 # --- the pipeline -------------------------------------------------------------
 
 
-def _compact_events(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:
-    """Rules 2 to 6 on one folded group: in C when the accelerator takes the window."""
-    if _accel is not None and not move_events:
+def _compact_events(
+    events: list[Any], move_events: bool, counts: Counter[str], accel: Any = _accel
+) -> list[Any]:
+    """Rules 2 to 6 on one folded group: in C when ``accel`` (the accelerator, or None)
+    takes the window."""
+    if accel is not None and not move_events:
         result = _accelerated(events)
         if result is not None:
             out, superseded, cancelled, merged = result
@@ -160,7 +163,7 @@ def _register(cls: type) -> None:
     _accel.register(cls, _accel_kind(cls), tuple(names))
 
 
-def _is_kv_batch(batch: Any) -> bool:
+def _is_kv_batch(batch: Any, accel: Any = _accel) -> bool:
     """:func:`coalesce._kinds.is_kv_batch`, answered in C for classes the accelerator knows.
 
     O(events) in C.  A batch of a class not offered to the accelerator yet
@@ -168,16 +171,16 @@ def _is_kv_batch(batch: Any) -> bool:
     rules, is answered in C too); classes it refuses are answered in Python.
     """
     events = batch.events
-    if _accel is None or type(events) is not list:
+    if accel is None or type(events) is not list:
         return is_kv_batch(batch)
-    if _accel.all_known(events):
+    if accel.all_known(events):
         return True
     classes = set(map(type, events))
     new = classes - _offered
     if new and len(_offered) + len(new) <= _OFFER_LIMIT:
         for cls in new:
             _register(cls)
-        if _accel.all_known(events):
+        if accel.all_known(events):
             return True
     return all_kv_classes(classes)
 
@@ -252,7 +255,11 @@ def _accel_kind(cls: type) -> int:
 
 
 def compact(
-    batches: Sequence[Any], *, move_events: bool = False, fold_only: bool = False
+    batches: Sequence[Any],
+    *,
+    move_events: bool = False,
+    fold_only: bool = False,
+    accelerated: bool = True,
 ) -> tuple[list[Any], CompactionReport]:
     """Compact a window of pending batches; return the batches to send instead.
 
@@ -271,13 +278,14 @@ def compact(
     the accelerator built, a window without moves is folded and compacted in
     one C call (the Python driver, :func:`_compact_py`, takes the windows it
     declines); with ``fold_only`` it is one list concatenation per group.
-    docs/benchmarks.md has both measured against encoding.
+    docs/benchmarks.md has both measured against encoding.  ``accelerated=False``:
+    the pure-Python rules even where the C ones are built (an A/B, or an oracle).
     """
-    return _compact(batches, move_events, fold_only, wire=False)
+    return _compact(batches, move_events, fold_only, wire=False, accel=_use(accelerated))
 
 
 def compact_for_wire(
-    batches: Sequence[Any], *, fold_only: bool = False
+    batches: Sequence[Any], *, fold_only: bool = False, accelerated: bool = True
 ) -> tuple[list[Any], CompactionReport]:
     """:func:`compact` without moves, for a caller that only encodes the result.
 
@@ -292,23 +300,28 @@ def compact_for_wire(
     Cost: as :func:`compact`; the concatenated lists' elements are written as
     bytes, once.
     """
-    return _compact(batches, False, fold_only, wire=True)
+    return _compact(batches, False, fold_only, wire=True, accel=_use(accelerated))
+
+
+def _use(accelerated: bool) -> ModuleType | None:
+    """The accelerator, if built and wanted."""
+    return _accel if accelerated else None
 
 
 def _compact(
-    batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool
+    batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool, accel: Any
 ) -> tuple[list[Any], CompactionReport]:
-    if _accel is not None and not move_events and type(batches) is list:
+    if accel is not None and not move_events and type(batches) is list:
         result = _accelerated_window(batches, fold_only, wire)
         if result is not None:
             out, ev_in, ev_out, folded, superseded, cancelled, merged = result
             report = (len(batches), len(out), ev_in, ev_out, folded, merged, cancelled, superseded)
             return out, CompactionReport(*report)  # the order of its fields
-    return _compact_py(batches, move_events, fold_only)
+    return _compact_py(batches, move_events, fold_only, accel)
 
 
 def _compact_py(
-    batches: Sequence[Any], move_events: bool, fold_only: bool
+    batches: Sequence[Any], move_events: bool, fold_only: bool, accel: Any = None
 ) -> tuple[list[Any], CompactionReport]:
     """:func:`compact`'s driver in Python: the fallback for windows the C one
     declines (and for moves), and its oracle.  Each group's rules still run in C
@@ -323,7 +336,7 @@ def _compact_py(
         first = batches[i]
         events_in += len(first.events)
         groups += 1
-        if not _is_kv_batch(first):
+        if not _is_kv_batch(first, accel):
             out.append(first)
             i += 1
             continue
@@ -332,7 +345,7 @@ def _compact_py(
             j < n
             and type(batches[j]) is type(first)
             and batches[j].data_parallel_rank == first.data_parallel_rank
-            and _is_kv_batch(batches[j])
+            and _is_kv_batch(batches[j], accel)
         ):
             events_in += len(batches[j].events)
             j += 1
@@ -344,7 +357,7 @@ def _compact_py(
         events: list[Any] = []
         for b in batches[i:j]:
             events.extend(b.events)
-        new = events if fold_only else _compact_events(events, move_events, counts)
+        new = events if fold_only else _compact_events(events, move_events, counts, accel)
         if (
             j == i + 1
             and len(new) == len(first.events)

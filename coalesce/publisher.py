@@ -31,18 +31,24 @@ from typing import Any
 
 import msgspec
 
+from coalesce import _hooks
 from coalesce._backlog import Backlog
-from coalesce._replay import ReplayBuffer
+from coalesce._feed import Feed
+from coalesce._gate import Gate
+from coalesce._recorder import Recorder
+from coalesce._replay import ReplayService
 from coalesce._sender import Sender
+from coalesce._services import Services
 from coalesce._settings import (
-    REMOVED,
+    LossMarker,
     PublisherConfig,
     Settings,
     is_bind_endpoint,
     offset_endpoint,
 )
-from coalesce._snapshot import SnapshotService
-from coalesce._wire import native_send, open_sockets
+from coalesce._snapshot import SnapshotServer
+from coalesce._stream import ReplayBuffer, Stream
+from coalesce._wire import Encoder, is_native, message_sender, native_send, open_sockets
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -114,6 +120,16 @@ def _log_start(
         )
 
 
+def _tapped(send: Any, tap: _hooks.Tap) -> Any:
+    """``send``, then ``tap`` on what it sent."""
+
+    def tapped(topic: bytes, seq: int, payload: bytes) -> None:
+        send(topic, seq, payload)
+        tap(topic, seq, payload)
+
+    return tapped
+
+
 def _collected(sender: Sender) -> None:
     """The finaliser of a publisher dropped without ``shutdown()``: stop its thread."""
     if sender.alive and not sender.closed:
@@ -180,10 +196,7 @@ class CoalescingPublisher:
         knobs = Settings.names()
         # keywords that are not knobs come from a newer vLLM: accepted and ignored
         self.settings = Settings.resolve(**{k: v for k, v in keywords.items() if k in knobs})
-        for name in Settings.removed_in_use(keywords):
-            knob = name.removeprefix("COALESCE_").lower()
-            log.warning("kv-coalesce: %s is no longer a knob, ignored: %s", name, REMOVED[knob])
-        ignored = sorted(set(keywords) - knobs - set(REMOVED))
+        ignored = sorted(set(keywords) - knobs)
         if ignored:
             log.info("kv-coalesce: ignoring keywords this version does not know: %s", ignored)
         self._rank = data_parallel_rank
@@ -210,6 +223,7 @@ class CoalescingPublisher:
         pub_ep, replay_ep = socks.endpoint, socks.replay_endpoint
         snap_ep = socks.snapshot_endpoint
         snap_sock = socks.snapshot
+        self._socks = socks
         self.snapshot_endpoint = snap_ep
         _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id)
         self.config = PublisherConfig(
@@ -223,35 +237,63 @@ class CoalescingPublisher:
             snapshot_max_blocks=st.snapshot_max_blocks,
             snapshot_max_response_bytes=st.snapshot_max_response_bytes,
         )
+        hooks = _hooks.current()
         # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
-        batch_budget = max_queue_size or sys.maxsize
+        budgets = st.budgets
         # with a recorder (snapshots, or resyncs), batches refused over budget still
-        # reach it, up to twice the event budget per loss (then it is unavailable
-        # until a clear)
-        resyncs = st.loss_marker == "resync"
-        records = snap_ep is not None or resyncs
+        # reach it, up to budgets.refused_recorded events per loss (then it is
+        # unavailable until a clear)
+        records = snap_ep is not None or st.loss_marker is LossMarker.RESYNC
         self._backlog = Backlog(
-            batch_budget,
-            self.settings.max_pending_events,
-            self.settings.stall_timeout,
-            record_events=2 * self.settings.max_pending_events if records else 0,
+            max_queue_size or sys.maxsize,
+            budgets.events,
+            st.stall_timeout,
+            record_events=budgets.refused_recorded if records else 0,
         )
-        snapshot = None
-        if snap_sock is not None or resyncs:
-            snapshot = SnapshotService.from_settings(
-                snap_sock, self.publisher_id, data_parallel_rank, self.settings
+        encoder = Encoder()
+        buffer = ReplayBuffer(buffer_steps)
+        self._stream = stream = Stream.of_rank(
+            None, topic_b, buffer, encoder, data_parallel_rank, st.loss_marker,
+            beats=self.publisher_id is not None,
+        )  # fmt: skip
+        send = message_sender(socks.pub, self.publisher_id or b"", native=hooks.accelerated)
+        stream.use(send if hooks.tap is None else _tapped(send, hooks.tap))
+        self._feed = feed = None
+        if records:
+            recorder = Recorder(
+                st.snapshot_max_blocks, accelerated=None if hooks.accelerated else False
             )
+            feed = Feed(
+                recorder,
+                max_deferred_events=budgets.deferred,
+                policy=hooks.policy,
+                accelerated=hooks.accelerated,
+            )
+            self._feed = feed
+        snapshot = None
+        if snap_sock is not None and feed is not None and self.publisher_id is not None:
+            snapshot = SnapshotServer(
+                snap_sock, feed, self.publisher_id, data_parallel_rank,
+                max_response_bytes=st.snapshot_max_response_bytes,
+            )  # fmt: skip
+        replay = None
+        if socks.router is not None:
+            replay = ReplayService.from_settings(socks.router, buffer, topic_b, st)
         self._batch_types: set[type] = set()
+        self._gate = Gate()
         self._sender = Sender(
-            pub=socks.pub,
-            router=socks.router,
-            topic=topic_b,
-            rank=data_parallel_rank,
+            stream=stream,
+            encoder=encoder,
+            services=Services(replay, snapshot, stream),
             backlog=self._backlog,
-            buffer=ReplayBuffer(buffer_steps),
-            settings=self.settings,
-            snapshot=snapshot,
-            publisher_id=self.publisher_id,
+            settings=st,
+            policy=hooks.policy,
+            gate=self._gate,
+            rank=data_parallel_rank,
+            feed=feed,
+            accelerated=hooks.accelerated,
+            native_send=is_native(send),
+            close_sockets=lambda: socks.close_for_shutdown(st.shutdown_timeout),
         )
         self._closed = False
         self._sender_gone = False  # shutdown() has stopped the sender (under the lock)
@@ -341,19 +383,16 @@ class CoalescingPublisher:
 
     def stats(self) -> PublisherStats:
         """A frozen snapshot of the counters.  O(1); safe from any thread."""
-        b, s = self._backlog, self._sender
-        t = s.totals
-        return PublisherStats(
-            batches_in=b.batches_in,
-            events_in=b.events_in,
-            batches_dropped=b.batches_dropped + t.abandoned_batches,
-            events_dropped=b.events_dropped + t.abandoned_events,
-            backlog_batches=b.waiting,
-            backlog_events=b.pending_events,
-            backlog_peak=b.peak,
-            sender_alive=s.alive,
-            compactor_accelerated=accelerated(),
-            **s.published(),
+        sender, services, feed = self._sender, self._sender.services, self._feed
+        snapshot = services.snapshot_stats()
+        if services.snapshot is None and feed is not None:  # a recorder for resyncs only
+            snapshot = feed.stats()
+        return PublisherStats.compose(
+            self._backlog.stats(),
+            sender.stats(accelerated=accelerated() and sender.accelerated),
+            self._stream.stats(),
+            services.replay_stats(),
+            snapshot,
         )
 
     def get_publisher_config(self) -> Any:
@@ -420,9 +459,7 @@ class CoalescingPublisher:
         with self._shutdown_lock:
             if stopped:
                 self._sender_gone = True
-            batches, events = self._backlog.drain()
-            if batches:
-                self._sender.totals.add_abandoned(batches, events)
+            batches, _ = self._backlog.drain()  # (counted as dropped there)
         if batches:
             log.warning("kv-coalesce: %d batches published during shutdown were not sent", batches)
 

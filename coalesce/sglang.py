@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from coalesce._settings import Settings, is_bind_endpoint
+from coalesce._settings import LossMarker, Settings, is_bind_endpoint
 from coalesce.events import EventBatch as _RankedBatch
 from coalesce.publisher import CoalescingPublisher, PublishOutcome
 
@@ -98,7 +98,7 @@ def _unsupported(keywords: dict[str, Any]) -> str | None:
             "snapshots speak vLLM PR #57789's dialect, and SGLang's own snapshot protocol "
             "(PR #34407) differs and is not merged"
         )
-    if st.loss_marker == "resync":
+    if st.loss_marker is LossMarker.RESYNC:
         return (
             "loss_marker=resync is not available for SGLang: resyncs have not been run "
             "against SGLang's consumers; use clear (the default)"

@@ -25,9 +25,7 @@ def host(engine: str = "vllm") -> dict[str, Any]:
     publishers is the stock one (the real class, or the re-implementation)."""
     from importlib.metadata import version
 
-    from coalesce._recorder import Recorder
-    from coalesce._wire import native_send
-    from coalesce.compactor import accelerated
+    from coalesce.testing import accelerators
     from coalesce_tools.baselines import stock_publisher
 
     stock = f"re-implemented ({engine} not installed)"
@@ -38,9 +36,7 @@ def host(engine: str = "vllm") -> dict[str, Any]:
         "cpu": _cpu_model(),
         "machine": platform.machine(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "c_compactor": accelerated(),
-        "c_recorder": Recorder(1).accelerated,
-        "c_send": native_send(),
+        **{f"c_{name}": on for name, on in accelerators().items()},
         "stock_publisher": stock,
     }
 

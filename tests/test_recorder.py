@@ -181,13 +181,13 @@ def _fed(batches: list[Any], data: Any) -> Recorder:
     groups of random sizes, gathered in windows of a random size and recorded as
     the compactor's output of each window (0, or a window under ``RECORD_FROM``
     events: as given), then settled."""
-    from coalesce._snapshot import SnapshotService
+    from coalesce._feed import Feed
     from coalesce.testing import policy
 
     window = data.draw(st.sampled_from([0, 1, 5, 64, 512]), label="RECORD_WINDOW")
     least = data.draw(st.sampled_from([0, 32]), label="RECORD_FROM")
-    svc = SnapshotService(None, _new(), None, 0, max_response_bytes=1 << 30, max_deferred_events=0)
-    with policy(RECORD_WINDOW=window, RECORD_FROM=least):
+    with policy(RECORD_WINDOW=window, RECORD_FROM=least) as tuned:
+        svc = Feed(_new(), max_deferred_events=0, policy=tuned)
         i = 0
         while i < len(batches):
             n = data.draw(st.integers(1, 4), label="group")

@@ -150,9 +150,12 @@ def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
 
 @pytest.fixture
 def service():
-    """A snapshot service on an inproc ROUTER, and a DEALER connected to it."""
+    """A recorder's feed and a snapshot server on an inproc ROUTER, and a DEALER
+    connected to it."""
+    from coalesce._feed import Feed
     from coalesce._recorder import Recorder
-    from coalesce._snapshot import SnapshotService
+    from coalesce._snapshot import SnapshotServer
+    from coalesce.testing import policy
 
     ctx, ep = zmq.Context.instance(), inproc("snap")
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
@@ -160,36 +163,29 @@ def service():
     dealer.connect(ep)
     made: list[Any] = []
 
-    def make(max_deferred_events: int = 10_000) -> tuple[Any, Any]:
-        svc = SnapshotService(
-            router,
-            Recorder(10_000),
-            b"p",
-            0,
-            max_response_bytes=1 << 30,
-            max_deferred_events=max_deferred_events,
-        )
-        made.append(svc)
-        return svc, dealer
+    def make(max_deferred_events: int = 10_000, **tuning: Any) -> tuple[Any, Any, Any]:
+        with policy(**tuning) as tuned:
+            feed = Feed(Recorder(10_000), max_deferred_events=max_deferred_events, policy=tuned)
+        server = SnapshotServer(router, feed, b"p", 0, max_response_bytes=1 << 30)
+        made.append(server)
+        return feed, server, dealer
 
     yield make
-    for svc in made:
-        svc.close()
+    for server in made:
+        server.close()
     dealer.close(linger=0)
 
 
 def test_a_reply_covers_what_the_feed_had_gathered(service):
     """Batches the feed gathers (not yet a window) are recorded before a reply is
     built: the reply for a seq covers every batch given before it."""
-    from coalesce.testing import policy
 
-    svc, dealer = service()
+    feed, server, dealer = service(RECORD_WINDOW=10**6)
     batches = [offload(i) for i in range(6)]
-    with policy(RECORD_WINDOW=10**6):
-        svc.record(batches)
-        assert svc.recorder.held == 0, "gathered: a window is not full yet"
-        dealer.send(b"snapshot")
-        wait_for(lambda: svc.step(lambda: 41) and not svc.busy, what="the reply")
+    feed.record(batches)
+    assert feed.recorder.held == 0, "gathered: a window is not full yet"
+    dealer.send(b"snapshot")
+    wait_for(lambda: server.step(lambda: 41) and not server.busy, what="the reply")
     assert dealer.poll(10_000), "no snapshot reply"
     seq, model = reply_state(dealer.recv_multipart())
     assert seq == 41 and model.state() == truth(batches)
@@ -198,16 +194,16 @@ def test_a_reply_covers_what_the_feed_had_gathered(service):
 def test_batches_after_an_abandoned_reply_are_recorded_in_order(service):
     """The deferred list outgrows its bound in the middle of a list of batches: the
     reply is abandoned, and the rest of the list is recorded, in order."""
-    svc, dealer = service(max_deferred_events=2)
+    feed, server, dealer = service(max_deferred_events=2)
     before = [offload(i) for i in range(4)]
-    svc.record(before)
+    feed.record(before)
     dealer.send(b"snapshot")
-    wait_for(lambda: svc.step(lambda: 3) and svc.busy, what="a reply to start")
+    wait_for(lambda: server.step(lambda: 3) and server.busy, what="a reply to start")
     # the first is past the bound; the last, alone, is not
     after = [offload(i) for i in range(4, 8)] + [batch(store([99], None))]
-    svc.record(after)
-    svc.settle()
-    assert svc.recorder.state() == truth(before + after)
+    feed.record(after)
+    feed.settle()
+    assert feed.recorder.state() == truth(before + after)
     assert dealer.poll(10_000) and dealer.recv_multipart()[0] == (-2).to_bytes(
         8, "big", signed=True
     )
