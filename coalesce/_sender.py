@@ -122,7 +122,9 @@ class Sender:
         self.pacing = Pacing(backlog, policy, settings.high_watermark)
         self.resync = None
         if feed is not None:
-            self.resync = Resync(feed, stream, encoder, rank, settings, self.totals, self.limited)
+            self.resync = Resync(
+                backlog, feed, stream, encoder, rank, settings, self.totals, self.limited
+            )
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
         # shared with the facade
@@ -232,6 +234,10 @@ class Sender:
         """
         backlog = self._backlog
         self.pacing.keep_budget_free()
+        if self.resync is not None and self.resync.collapsing:  # past the budget
+            self._in_flight = self.resync.collapse(4 * self._settings.max_events_per_step)
+            self._finish(self._in_flight[0], [], compacted=False)
+            return
         level = self._climb(flushing)
         taken_events = backlog.events_out
         window: Any  # a list of batches, or a loss marker

@@ -56,27 +56,25 @@ _TOLD = {
 @dataclass(frozen=True, slots=True)
 class Budgets:
     """Every bound derived from ``max_pending_events``, named once
-    (docs/backpressure.md#budgets).  O(1)."""
+    (docs/backpressure.md, "Budgets").  O(1)."""
 
     events: int
     """Events published and not yet sent past which ``publish()`` refuses a batch
     (and batches: a batch counts at least one)."""
     refused_recorded: int
-    """Events of refused batches one loss marker carries to the recorder (2x)."""
+    """Events of refused batches one loss marker carries to the recorder (2x, and at
+    least ``snapshot_max_blocks``): with ``loss_marker=resync`` the sender collapses
+    the backlog at the first refusal, so that few wait for it."""
     deferred: int
     """Events the recorder's feed holds back while a walk runs (1x), past which the
     walk is abandoned."""
-    resync_blocks: int
-    """Keys the recorder may hold for a resync to start after a loss (1/4): what it
-    sends is bounded by what the budget absorbs."""
 
     @classmethod
-    def of(cls, max_pending_events: int) -> Budgets:
+    def of(cls, max_pending_events: int, snapshot_max_blocks: int) -> Budgets:
         return cls(
             events=max_pending_events,
-            refused_recorded=2 * max_pending_events,
+            refused_recorded=max(2 * max_pending_events, snapshot_max_blocks),
             deferred=max_pending_events,
-            resync_blocks=max_pending_events // 4,
         )
 
 
@@ -227,7 +225,7 @@ class Settings:
     @property
     def budgets(self) -> Budgets:
         """The bounds derived from ``max_pending_events``."""
-        return Budgets.of(self.max_pending_events)
+        return Budgets.of(self.max_pending_events, self.snapshot_max_blocks)
 
     @classmethod
     def names(cls) -> frozenset[str]:

@@ -51,12 +51,14 @@ class Totals:
     (:func:`coalesce.compactor.rule_stats`).
     """
 
+    batches_collapsed: int = 0
     batches_folded: int = 0
     blocks_cancelled: int = 0
     blocks_moved: int = 0
     compaction_failures: int = 0
     compaction_passes: int = 0
     encode_failures: int = 0
+    events_collapsed: int = 0
     events_merged: int = 0
     events_superseded: int = 0
     fold_only_passes: int = 0

@@ -56,6 +56,12 @@ class SenderStats:
         "Windows the compactor could not handle (sent batch by batch, uncompacted)."
     )
     resyncs: int = _counter("In-band resyncs sent whole after a loss marker (loss_marker=resync).")
+    batches_collapsed: int = _counter(
+        "Batches accepted and then given to the recorder instead of sent, when the backlog "
+        "collapsed past its budget (loss_marker=resync): the resync after the loss marker "
+        "carries their effect."
+    )
+    events_collapsed: int = _counter("Events in those batches.")
     resync_events: int = _counter("Events those resyncs sent (stores of the recorded state).")
     batches_folded: int = _counter("Input batches folded into another batch.")
     events_merged: int = _counter("Events that disappeared by being merged into a neighbour.")
