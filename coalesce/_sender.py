@@ -161,6 +161,11 @@ class Sender:
         self.closed = True
         self.wake()
 
+    @property
+    def resyncing(self) -> bool:
+        """A resync is under way.  O(1); safe from any thread."""
+        return self.resync is not None and self.resync.running
+
     def stats(self, accelerated: bool) -> SenderStats:
         """The sender's counters and gauges, frozen.  O(fields)."""
         return self.totals.stats(

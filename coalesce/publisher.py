@@ -414,7 +414,8 @@ class CoalescingPublisher:
         return self.config
 
     def flush(self, timeout: float = 1.0) -> bool:
-        """Wait until every batch accepted so far is sent (or counted lost).
+        """Wait until every batch accepted so far is sent (or counted lost), and what
+        waits behind them (refused batches for the recorder, a resync) is done with.
 
         Returns False if that took longer than ``timeout`` seconds, or if the
         sender stopped before it was done.  This one *does* block the caller
@@ -424,7 +425,8 @@ class CoalescingPublisher:
         target = self._backlog.batches_in
         deadline = time.monotonic() + timeout
         sender = self._sender
-        while sender.done < target:
+        backlog = self._backlog
+        while sender.done < target or sender.resyncing or len(backlog):
             if time.monotonic() >= deadline or not sender.thread.is_alive():
                 return False
             time.sleep(0.001)

@@ -272,3 +272,71 @@ def test_a_backlog_past_its_budget_collapses_into_state_however_often(make_sub):
     assert consumer.held() == truth(published)
     assert st.batches_dropped > 100 and st.loss_markers >= 5 and st.resyncs >= 5
     assert st.snapshot_exact and st.snapshot_blocks == KEEP
+
+
+def test_the_seed_workload_under_a_small_budget_ends_exact_for_every_consumer():
+    """The overload a new user forces: an event budget of 3,000 and a seed-like engine
+    whose sender is held for 150 steps out of every 200 (each hold refuses most of
+    what comes), four times, the engine never waiting for it.  llm-d's rules (with
+    replay), vLLM's decoder on a refcount model, and ``coalesce.subscriber`` each end
+    with the engine's state."""
+    from coalesce.subscriber import Subscriber
+    from coalesce_tools.workload import Engine, WorkloadConfig
+    from tests.conftest import Sub, decode
+
+    engine = Engine(
+        WorkloadConfig(ranks=1, steps=800, burst_every=200, burst_length=20, burst_requests=4)
+    )
+    port, rport = free_port(), free_port()
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{rport}",
+        max_pending_events=3000,
+        stall_timeout=0,
+        loss_marker="resync",
+    )
+    ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
+    llmd = LlmdRulesConsumer(ep, rep, clock=FrozenClock())
+    ours = Subscriber(ep, rep)
+    raw = Sub(ep, replay=rep)
+    try:
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                pub.publish(KVEventBatch(ts=0.0, events=engine.step(), data_parallel_rank=0))
+                llmd.poll(0)
+                ours.poll(0)
+
+        steps(1)  # both consumers join: llm-d's proactive replay finds this batch
+        assert pub.flush(10.0)
+        wait_for(
+            lambda: llmd.poll(0.01) >= 0 and ours.poll(0.01) >= 0 and llmd.last_seq == 0,
+            what="llm-d's consumer to join",
+        )
+        for _ in range(4):
+            with held(pub):
+                steps(150)
+            steps(50)
+        assert pub.flush(30.0)
+        st = pub.stats()
+        last = st.messages_sent - 1
+
+        def caught_up() -> bool:
+            llmd.poll(0.01)
+            ours.poll(0.01)
+            return llmd.last_seq == last and ours.sources[0].last_seq == last
+
+        wait_for(caught_up, timeout=30, what="the consumers to reach the last message")
+        decoded = [decode(m[2]) for m in raw.replay(0)]
+    finally:
+        llmd.close()
+        ours.close()
+        raw.close()
+        pub.shutdown()
+    want = engine.truth()
+    assert st.batches_dropped > 100 and st.resyncs == st.loss_markers >= 1 and st.snapshot_exact
+    assert len(decoded) == st.messages_sent, "every message is in the replay buffer"
+    assert SubscriberModel("refcount").apply_batches(decoded).held() == want
+    assert llmd.held() == want
+    assert llmd.incomplete_replays == 0 and llmd.resets == 0
+    assert ours.sources[0].index.held() == want and not ours.sources[0].partial
