@@ -199,3 +199,50 @@ def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path):
             assert _dump(http) == set()
         finally:
             pub.shutdown()
+
+
+def _overloaded_into_dynamo(indexer: tuple[int, int], lossy: bool) -> tuple[set[int], Any]:
+    """Five bursts of 40 steps with ``loss_marker=resync`` and an event budget a third
+    of the state, each past the budget (or, not ``lossy``, each sent whole): what
+    Dynamo holds, and the stats."""
+    from tests.test_loss_markers import overloaded
+
+    port, http = indexer
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        max_queue_size=3 if lossy else 100_000,
+        stall_timeout=0,
+        max_pending_events=4 if lossy else 100_000,
+        loss_marker="resync",
+    )
+    try:
+        wait_for(
+            lambda: (
+                pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+                and pub.flush(5.0)
+                and PROBE in (_dump(http) or set())
+            ),
+            timeout=30,
+            what="Dynamo to read the stream",
+        )
+        pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+        overloaded(pub, rounds=5, burst=40)
+        pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
+        assert pub.flush(10.0)
+        wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
+        return (_dump(http) or set()) - {SENTINEL}, pub.stats()
+    finally:
+        pub.shutdown()
+
+
+def test_under_an_overload_that_comes_back_dynamo_ends_as_with_the_plain_stream(indexer):
+    """Each burst collapses the backlog into the recorder, then the marker and the
+    state: Dynamo, which has no replay, ends holding what it holds from the same
+    batches all sent (a second indexer).  (Not the refcount model's set: Dynamo's
+    tree drops a block's descendants with it, on the plain stream too.)"""
+    got, st = _overloaded_into_dynamo(indexer, lossy=True)
+    assert st.batches_dropped > 100 and st.resyncs == st.loss_markers >= 5
+    with _indexer() as other:
+        plain, st_plain = _overloaded_into_dynamo(other, lossy=False)
+    assert st_plain.batches_dropped == 0
+    assert got == plain
