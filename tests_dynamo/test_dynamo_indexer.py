@@ -90,6 +90,20 @@ def _store(h: int) -> KVEventBatch:
     return KVEventBatch(0.0, [BlockStored([h], None, [h] * 4, 4, None, "GPU", None)])
 
 
+def _join(pub: CoalescingPublisher, http: int) -> None:
+    """Dynamo connects to the publisher: wait until it reads, then take the probe back."""
+    wait_for(
+        lambda: (
+            pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+            and pub.flush(5.0)
+            and PROBE in (_dump(http) or set())
+        ),
+        timeout=30,
+        what="Dynamo to read the stream",
+    )
+    pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+
+
 def _truth(batches: list[KVEventBatch]) -> set[int]:
     model = SubscriberModel("dynamo")  # its parent rule: the parent held in the same medium
     for b in batches:
@@ -113,17 +127,7 @@ def run(
     )
     published: list[KVEventBatch] = []
     try:
-        # Dynamo connects to the publisher: wait until it reads, then take the probe back
-        wait_for(
-            lambda: (
-                pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
-                and pub.flush(5.0)
-                and PROBE in (_dump(http) or set())
-            ),
-            timeout=30,
-            what="Dynamo to read the stream",
-        )
-        pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+        _join(pub, http)
         i = 0
         for phase in ("before", "loss", "after"):
             n = {"before": 31, "loss": 23, "after": after}[phase]
@@ -216,16 +220,7 @@ def _overloaded_into_dynamo(indexer: tuple[int, int], lossy: bool) -> tuple[set[
         loss_marker="resync",
     )
     try:
-        wait_for(
-            lambda: (
-                pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
-                and pub.flush(5.0)
-                and PROBE in (_dump(http) or set())
-            ),
-            timeout=30,
-            what="Dynamo to read the stream",
-        )
-        pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+        _join(pub, http)
         overloaded(pub, rounds=5, burst=40)
         pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
         assert pub.flush(10.0)
