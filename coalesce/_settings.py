@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "Budgets",
+    "Identity",
     "LossMarker",
     "PublisherConfig",
     "Settings",
@@ -51,6 +52,19 @@ _TOLD = {
     LossMarker.RESYNC: "subscribers are sent a loss marker (AllBlocksCleared), then the state",
     LossMarker.GAP: "subscribers will see a sequence gap",
 }
+
+
+class Identity(str, enum.Enum):
+    """Where a live message carries the 16-byte ``publisher_id`` with snapshots on (the
+    ``snapshot_identity`` knob): vLLM PR #57789 has had both."""
+
+    BATCH = "batch"
+    """A 4th element of the batch, ``[ts, events, data_parallel_rank, publisher_id]``,
+    the seq frame 8 bytes (the PR's newest revision, vllm-project/vllm 2c481a4b:
+    ``IdentifiedKVEventBatch``; llm-d-router's reader with PR #2946)."""
+    SEQ = "seq"
+    """After the 8 seq bytes, a 24-byte seq frame; 3-element batches (the PR's earlier
+    revisions, e.g. vMaroon/vllm 08ee3e5; llm-d-router's first ``snapshot.go``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +153,14 @@ def _loss_marker(raw: Any) -> LossMarker:
         raise ValueError("expected " + ", ".join(m.value for m in LossMarker)) from None
 
 
+def _identity(raw: Any) -> Identity:
+    text = str(raw.value if isinstance(raw, Identity) else raw).strip().lower()
+    try:
+        return Identity(text)
+    except ValueError:
+        raise ValueError("expected " + " or ".join(m.value for m in Identity)) from None
+
+
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -186,8 +208,15 @@ class Settings:
     snapshot_endpoint: str | None = _knob(None, _endpoint)
     """Opt-in state snapshots (vLLM PR #57789's protocol): the ROUTER endpoint that
     answers ``b"snapshot"`` (bound; offset per DP rank like the others).  When set,
-    every live seq frame is 24 bytes (the seq, then a 16-byte ``publisher_id``) and an
-    idle publisher sends an empty batch every second; unset, the wire is vLLM 0.33's."""
+    every live message carries a 16-byte ``publisher_id`` (``snapshot_identity``) and
+    an idle publisher sends an empty batch every second; unset, the wire is vLLM
+    0.33's."""
+    snapshot_identity: Identity = _knob(Identity.SEQ, _identity)  # noqa: RUF009
+    """Where a live message carries the ``publisher_id`` with snapshots on: ``seq``,
+    after the seq in a 24-byte seq frame (PR #57789's earlier revisions; every
+    llm-d-router build reads the seq from the first 8 bytes); ``batch``, a 4th batch
+    element after an 8-byte seq frame (its newest revision; llm-d-router without its
+    PR #2946 drops every such batch) (docs/subscribers.md)."""
     snapshot_max_blocks: int = _knob(1_000_000, _positive_int)
     """References the snapshot recorder holds, and blocks in the store events it keeps
     for the replay program, before it declares itself unavailable."""

@@ -76,6 +76,7 @@ class Stream:
         "_lost",
         "_marker",
         "_send",
+        "_suffix",
         "_topic",
         "beats",
         "bytes_sent",
@@ -95,11 +96,15 @@ class Stream:
         empty: Callable[[], bytes],
         marker: Callable[[], bytes] | None,
         beats: bool = False,
+        identity: bytes | None = None,
     ) -> None:
         self._send: SendMessage = send if send is not None else _no_socket
         self.beats = beats
         """Whether :attr:`last_sent` is kept for every message (the owner sends
         heartbeats); else only markers and heartbeats set it."""
+        self._suffix = None if identity is None else b"\xc4\x10" + identity
+        """With ``identity``, every payload gets it as one more batch element (a msgpack
+        bin 8 of 16 bytes): vLLM PR #57789's ``IdentifiedKVEventBatch``."""
         self._topic = topic
         self._buffer = buffer
         self._empty = empty
@@ -120,10 +125,12 @@ class Stream:
         rank: int,
         loss_marker: LossMarker,
         beats: bool = False,
+        identity: bytes | None = None,
     ) -> Stream:
         """The stream of one DP rank's publisher: its empty batches and loss markers
         are that rank's, encoded by ``encoder``; ``loss_marker`` is the setting;
-        ``beats``: it sends heartbeats (keep :attr:`last_sent`)."""
+        ``beats``: it sends heartbeats (keep :attr:`last_sent`); ``identity``: each
+        payload carries it as a 4th batch element."""
         if loss_marker not in tuple(LossMarker):
             names = [m.value for m in LossMarker]
             raise ValueError(f"loss_marker must be one of {names}, not {loss_marker!r}")
@@ -138,6 +145,7 @@ class Stream:
             if loss_marker is not LossMarker.GAP
             else None,
             beats=beats,
+            identity=identity,
         )
 
     def use(self, send: SendMessage) -> None:
@@ -158,12 +166,12 @@ class Stream:
         :meth:`_put`'s lines, inline."""
         if self._lost:
             self._show()
+        if self.beats:  # (snapshots on: the identity, the time)
+            return self._put(payload, n_events)
         seq = self.next_seq
         self._send(self._topic, seq, payload)  # if it raises, the seq is still free
         self.next_seq = seq + 1
         self._buffer.append(seq, payload)
-        if self.beats:
-            self.last_sent = time.monotonic()
         self.messages_sent += 1
         self.events_sent += n_events
         self.bytes_sent += len(payload)
@@ -212,7 +220,11 @@ class Stream:
         self._lost = False
 
     def _put(self, payload: bytes, n_events: int) -> int:
-        """Send a marker or a heartbeat (:meth:`emit` holds the same lines)."""
+        """Send a marker, a heartbeat, or (snapshots on) any message, with its identity
+        (:meth:`emit` holds the same lines for the rest)."""
+        suffix = self._suffix
+        if suffix is not None and 0x90 <= payload[0] < 0x9F:  # a fixarray: one element more
+            payload = b"".join((bytes((payload[0] + 1,)), memoryview(payload)[1:], suffix))
         seq = self.next_seq
         self._send(self._topic, seq, payload)
         self.next_seq = seq + 1

@@ -40,6 +40,7 @@ from coalesce._replay import ReplayService
 from coalesce._sender import Sender
 from coalesce._services import Services
 from coalesce._settings import (
+    Identity,
     LossMarker,
     PublisherConfig,
     Settings,
@@ -69,7 +70,12 @@ class PublishOutcome(enum.Enum):
 
 
 def _log_start(
-    endpoint: str, bind: bool, replay: str | None, snapshot: str | None, pid: bytes | None
+    endpoint: str,
+    bind: bool,
+    replay: str | None,
+    snapshot: str | None,
+    pid: bytes | None,
+    identity: Identity,
 ) -> None:
     """Say once where this publisher is and which compaction rules it runs, and warn
     about vLLM's connect rule (``bind``: as the endpoint was given; a bound
@@ -81,19 +87,25 @@ def _log_start(
         "" if replay is None else f"; replay on {replay} (bound)",
     )
     if snapshot is not None and pid is not None:
+        in_batch = identity is Identity.BATCH
         log.info(
-            "kv-coalesce: snapshots on %s (bound), publisher_id %s: every live seq frame "
-            "carries it after the seq (24 bytes), and an idle publisher sends an empty "
-            "batch every second",
+            "kv-coalesce: snapshots on %s (bound), publisher_id %s: every live message "
+            "carries it (%s), and an idle publisher sends an empty batch every second",
             snapshot,
             pid.hex(),
+            "a 4th batch element" if in_batch else "after the seq: 24-byte seq frames",
         )
         log.warning(
-            "kv-coalesce: with snapshots on, live seq frames are 24 bytes (vLLM PR #57789): "
-            "NVIDIA Dynamo's indexer (1.6.1 and earlier) rejects every message, and vLLM's "
-            "example subscriber reads all 24 bytes as the seq (a gap at every message); "
-            "llm-d-router (it reads the first 8 bytes), vLLM's decoder and "
-            "coalesce.subscriber read them (docs/subscribers.md)"
+            "kv-coalesce: with snapshots on, %s (vLLM PR #57789%s): NVIDIA Dynamo's indexer "
+            "(1.6.1 and earlier) rejects every message; %s; vLLM's decoder and "
+            "coalesce.subscriber read them (docs/subscribers.md)",
+            "live batches have 4 elements" if in_batch else "live seq frames are 24 bytes",
+            ", its newest revision" if in_batch else ", its earlier revisions",
+            "llm-d-router without its PR #2946 rejects batches of 4 elements "
+            "(snapshot_identity=seq puts the id in the seq frame instead)"
+            if in_batch
+            else "llm-d-router reads the first 8 bytes, and the PR's newest example "
+            "subscriber, which wants 8, rejects every message (snapshot_identity=batch)",
         )
     log.info(
         "kv-coalesce: compaction rules run in %s",
@@ -225,7 +237,7 @@ class CoalescingPublisher:
         snap_sock = socks.snapshot
         self._socks = socks
         self.snapshot_endpoint = snap_ep
-        _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id)
+        _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id, st.snapshot_identity)
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,
@@ -252,11 +264,13 @@ class CoalescingPublisher:
         )
         encoder = Encoder()
         buffer = ReplayBuffer(buffer_steps)
+        pid, in_batch = self.publisher_id, st.snapshot_identity is Identity.BATCH
         self._stream = stream = Stream.of_rank(
             None, topic_b, buffer, encoder, data_parallel_rank, st.loss_marker,
-            beats=self.publisher_id is not None,
+            beats=pid is not None, identity=pid if in_batch else None,
         )  # fmt: skip
-        send = message_sender(socks.pub, self.publisher_id or b"", native=hooks.accelerated)
+        tail = b"" if pid is None or in_batch else pid
+        send = message_sender(socks.pub, tail, native=hooks.accelerated)
         stream.use(send if hooks.tap is None else _tapped(send, hooks.tap))
         self._feed = feed = None
         if records:

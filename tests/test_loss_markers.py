@@ -340,3 +340,42 @@ def test_the_seed_workload_under_a_small_budget_ends_exact_for_every_consumer():
     assert llmd.held() == want
     assert llmd.incomplete_replays == 0 and llmd.resets == 0
     assert ours.sources[0].index.held() == want and not ours.sources[0].partial
+
+
+@pytest.mark.parametrize("identity", ["seq", "batch"])
+def test_where_the_publisher_id_goes_decides_whether_llmd_main_reads_the_stream(identity):
+    """Snapshots on.  ``seq`` (the default): the id after the seq, which llm-d-router
+    main reads from the first 8 bytes, so it applies every batch.  ``batch`` (PR
+    #57789's newest revision): a 4th batch element, and llm-d-router main's decoder
+    (3 elements exactly) drops every batch: the pod's index stays empty."""
+    port = free_port()
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        snapshot_endpoint=f"tcp://*:{free_port()}",
+        snapshot_identity=identity,
+    )
+    consumer = LlmdRulesConsumer(f"tcp://127.0.0.1:{port}", None, clock=FrozenClock())
+    try:
+        wait_for(
+            lambda: (
+                pub.publish(step(0)) is PublishOutcome.QUEUED
+                and pub.flush(5.0)
+                and consumer.poll(0.01) > 0
+            ),
+            what="the consumer to join",
+        )
+        for i in range(1, 20):
+            pub.publish(step(i))
+        assert pub.flush(5.0)
+        last = pub.stats().messages_sent - 1
+        wait_for(
+            lambda: consumer.poll(0.01) >= 0 and (consumer.last_live_seq or 0) >= last,
+            what="the last message",
+        )
+    finally:
+        consumer.close()
+        pub.shutdown()
+    if identity == "seq":
+        assert consumer.skipped == 0 and consumer.applied > 1 and consumer.held()
+    else:
+        assert consumer.applied == 0 and consumer.skipped > 1 and not consumer.held()

@@ -181,23 +181,33 @@ def test_with_an_in_band_resync_dynamo_ends_as_with_the_plain_stream(indexer):
     assert cleared < plain
 
 
-def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path):
-    """PR #57789's 24-byte seq frames (snapshots on): Dynamo 1.6.1 says so in its
-    log and indexes nothing; the publisher's start-up WARNING names it."""
+@pytest.mark.parametrize(
+    ("identity", "said"),
+    [
+        ("seq", b"Invalid sequence number length: 24"),
+        ("batch", b"array had incorrect length, expected 3"),
+    ],
+)
+def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path, identity, said):
+    """Snapshots on, PR #57789's id in a 24-byte seq frame or as a 4th batch element:
+    Dynamo 1.6.1 says so in its log and indexes nothing; the publisher's start-up
+    WARNING names it."""
     log_path = tmp_path / "indexer.log"
     with open(log_path, "wb") as log, _indexer(log) as (port, http):
         pub = CoalescingPublisher(
-            endpoint=f"tcp://*:{port}", snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}"
+            endpoint=f"tcp://*:{port}",
+            snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            snapshot_identity=identity,
         )
         try:
             wait_for(
                 lambda: (
                     pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
                     and pub.flush(5.0)
-                    and b"Invalid sequence number length: 24" in log_path.read_bytes()
+                    and said in log_path.read_bytes()
                 ),
                 timeout=30,
-                what="Dynamo to reject a 24-byte seq frame",
+                what="Dynamo to reject the message",
             )
             assert PROBE not in (_dump(http) or set())
             assert _dump(http) == set()
