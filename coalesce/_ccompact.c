@@ -50,8 +50,7 @@
 #include <string.h>
 
 #include "_cstruct.h"
-
-enum { K_OPAQUE = 0, K_STORED = 1, K_REMOVED = 2, K_CLEARED = 3 };
+#include "_kinds.h"
 
 #define MAX_TYPES 32
 #define MAX_ATTRS 32
