@@ -82,8 +82,6 @@ __all__ = [
 ]
 
 
-# Fields that hold one entry per block, or describe the chain: they are what a
-# chain merge concatenates, so they are not part of the "all other fields equal" test.
 def _rule(stat: str, doc: str) -> Any:
     """A rule's counter: ``stat`` names the ``PublisherStats`` field it adds to."""
     return field(default=0, metadata={"stat": stat, "doc": doc})
@@ -117,9 +115,6 @@ class CompactionReport:
 def rule_stats() -> tuple[tuple[str, str], ...]:
     """``(report field, PublisherStats field)`` for every rule counter.  O(fields)."""
     return tuple((f.name, f.metadata["stat"]) for f in fields(CompactionReport) if f.metadata)
-
-
-# --- rule 2: supersede --------------------------------------------------------
 
 
 # --- the pipeline -------------------------------------------------------------
