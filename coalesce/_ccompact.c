@@ -60,7 +60,7 @@
 #define MAX_WINDOW ((Py_ssize_t)1 << 28) /* events, and block hashes, per call */
 
 typedef struct {
-    PyTypeObject *type; /* strong reference, kept for the process's life */
+    PyTypeObject *type; /* strong reference, held by the module's state */
     int kind;
     Py_ssize_t off_hashes, off_parent, off_tokens, off_bs, off_medium;
     Py_ssize_t off_extra, off_look, off_group; /* -1: the class has no such field */
@@ -68,14 +68,43 @@ typedef struct {
     Py_ssize_t attr_off[MAX_ATTRS]; /* the fields a merge requires equal, in order */
 } TypeInfo;
 
-static TypeInfo g_types[MAX_TYPES];
-static int g_ntypes = 0;
-static PyObject *s_copy = NULL; /* "__copy__" */
+/* A batch class: where its ts, events and data_parallel_rank are.  ok == 0:
+ * windows that hold it are declined (the Python driver takes them). */
+typedef struct {
+    PyTypeObject *type; /* strong reference, held by the module's state */
+    int ok;
+    Py_ssize_t off_ts, off_events, off_rank;
+} BatchInfo;
+
+/* The classes register() and register_batch() recorded, and the names and
+ * the class the calls use: part of the module's state (ModState). */
+typedef struct {
+    TypeInfo types[MAX_TYPES];
+    int ntypes;
+    BatchInfo btypes[MAX_TYPES];
+    int nbtypes;
+    PyObject *s_copy, *s_ts, *s_events, *s_rank; /* interned names */
+    PyObject *raw_type; /* msgspec.Raw, imported on the first wire call */
+} Registry;
 
 #include "_cc_ids.h"
 #include "_cc_read.h"
 #include "_cc_rules.h"
 #include "_cc_build.h"
+
+/* ---- the module's state ------------------------------------------------------ */
+
+/* Everything the module keeps between calls (PyModule_GetState(module)): each
+ * entry point looks it up once per call, from its `self`, and passes it down. */
+typedef struct {
+    CStructState cs; /* first: _cstruct.h's probes read it */
+    Registry reg;
+    State work; /* compact_group's buffers and table, kept between calls */
+} ModState;
+
+static inline ModState *get_state(PyObject *module) {
+    return (ModState *)PyModule_GetState(module);
+}
 
 /* ---- entry points --------------------------------------------------------- */
 
@@ -99,8 +128,9 @@ static PyObject *cc_register(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!iO!", &PyType_Type, &cls, &kind, &PyTuple_Type, &names))
         return NULL;
     PyTypeObject *tp = (PyTypeObject *)cls;
-    if (find_type(tp) != NULL) Py_RETURN_TRUE;
-    if (g_ntypes >= MAX_TYPES) Py_RETURN_FALSE;
+    Registry *reg = &get_state(self)->reg;
+    if (find_type(reg, tp) != NULL) Py_RETURN_TRUE;
+    if (reg->ntypes >= MAX_TYPES) Py_RETURN_FALSE;
     TypeInfo ti;
     memset(&ti, 0, sizeof(ti));
     ti.kind = kind;
@@ -144,7 +174,7 @@ static PyObject *cc_register(PyObject *self, PyObject *args) {
     if (!ok) ti.kind = K_OPAQUE;
     Py_INCREF(tp);
     ti.type = tp;
-    g_types[g_ntypes++] = ti;
+    reg->types[reg->ntypes++] = ti;
     return PyBool_FromLong(ok);
 }
 
@@ -159,14 +189,15 @@ PyDoc_STRVAR(compact_doc,
  * caller): *out is a new list, counts[] the rules' (superseded, cancelled,
  * merged) added.  1 on success; 0 to decline (*unknown is set when a class not
  * registered yet is why); -1 on error (an exception is set). */
-static int compact_group(PyObject *events, PyObject **out_list, long counts[3],
+static int compact_group(ModState *ms, PyObject *events, PyObject **out_list, long counts[3],
                          PyTypeObject **unknown, int wire) {
-    State *st = &g_obj;
+    State *st = &ms->work;
     if (st->busy) return 0;
     st->busy = 1;
     Window w;
     memset(&w, 0, sizeof(w));
     w.st = st;
+    w.reg = &ms->reg;
     Item *a = NULL;
     SegVec sa = st->segs_a, sb = st->segs_b;
     sa.n = sb.n = 0;
@@ -226,7 +257,7 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
     PyObject *out = NULL;
     PyTypeObject *unknown = NULL;
     long counts[3] = {0, 0, 0};
-    int r = compact_group(events, &out, counts, &unknown, 0);
+    int r = compact_group(get_state(self), events, &out, counts, &unknown, 0);
     if (r < 0) return NULL;
     if (r == 0) {
         if (unknown != NULL) {
@@ -246,12 +277,12 @@ PyDoc_STRVAR(all_known_doc,
 /* 1 when every event of the exact list `events` is of a class registered with
  * a kind the rules handle; 0 otherwise, with *unknown set to the first class
  * not registered yet, if that is why.  O(events); allocates nothing. */
-static int all_kv(PyObject *events, PyTypeObject **unknown) {
+static int all_kv(const Registry *reg, PyObject *events, PyTypeObject **unknown) {
     PyTypeObject *last = NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
         PyTypeObject *tp = Py_TYPE(PyList_GET_ITEM(events, i));
         if (tp == last) continue;
-        TypeInfo *ti = find_type(tp);
+        const TypeInfo *ti = find_type(reg, tp);
         if (ti == NULL) *unknown = tp;
         if (ti == NULL || ti->kind == K_OPAQUE) return 0;
         last = tp;
@@ -261,27 +292,16 @@ static int all_kv(PyObject *events, PyTypeObject **unknown) {
 
 static PyObject *cc_all_known(PyObject *self, PyObject *events) {
     PyTypeObject *unknown = NULL;
-    if (!PyList_CheckExact(events) || !all_kv(events, &unknown)) Py_RETURN_NONE;
+    if (!PyList_CheckExact(events) || !all_kv(&get_state(self)->reg, events, &unknown))
+        Py_RETURN_NONE;
     Py_RETURN_TRUE;
 }
 
 /* ---- a whole window: rule 1 (fold), then the rules on each group ----------- */
 
-/* A batch class: where its ts, events and data_parallel_rank are.  ok == 0:
- * windows that hold it are declined (the Python driver takes them). */
-typedef struct {
-    PyTypeObject *type; /* strong reference, kept for the process's life */
-    int ok;
-    Py_ssize_t off_ts, off_events, off_rank;
-} BatchInfo;
-
-static BatchInfo g_btypes[MAX_TYPES];
-static int g_nbtypes = 0;
-static PyObject *s_ts = NULL, *s_events = NULL, *s_rank = NULL;
-
-static BatchInfo *find_btype(PyTypeObject *tp) {
-    for (int i = 0; i < g_nbtypes; i++)
-        if (g_btypes[i].type == tp) return &g_btypes[i];
+static const BatchInfo *find_btype(const Registry *reg, PyTypeObject *tp) {
+    for (int i = 0; i < reg->nbtypes; i++)
+        if (reg->btypes[i].type == tp) return &reg->btypes[i];
     return NULL;
 }
 
@@ -297,17 +317,18 @@ static PyObject *cc_register_batch(PyObject *self, PyObject *args) {
     int ok;
     if (!PyArg_ParseTuple(args, "O!p", &PyType_Type, &cls, &ok)) return NULL;
     PyTypeObject *tp = (PyTypeObject *)cls;
-    BatchInfo *known = find_btype(tp);
+    Registry *reg = &get_state(self)->reg;
+    const BatchInfo *known = find_btype(reg, tp);
     if (known != NULL) return PyBool_FromLong(known->ok);
-    if (g_nbtypes >= MAX_TYPES) Py_RETURN_FALSE;
+    if (reg->nbtypes >= MAX_TYPES) Py_RETURN_FALSE;
     BatchInfo bi;
-    bi.off_ts = member_offset(tp, s_ts);
-    bi.off_events = member_offset(tp, s_events);
-    bi.off_rank = member_offset(tp, s_rank);
+    bi.off_ts = member_offset(tp, reg->s_ts);
+    bi.off_events = member_offset(tp, reg->s_events);
+    bi.off_rank = member_offset(tp, reg->s_rank);
     bi.ok = ok && bi.off_ts >= 0 && bi.off_events >= 0 && bi.off_rank >= 0;
     Py_INCREF(tp);
     bi.type = tp;
-    g_btypes[g_nbtypes++] = bi;
+    reg->btypes[reg->nbtypes++] = bi;
     return PyBool_FromLong(bi.ok);
 }
 
@@ -321,8 +342,8 @@ typedef struct {
  * list of events all of registered KV classes, a rank None or an exact int);
  * 0 otherwise, with ask->type set when an unregistered class is why.
  * Allocates nothing, so no Python code runs. */
-static int check_batch(PyObject *b, BatchInfo **bip, Ask *ask) {
-    BatchInfo *bi = find_btype(Py_TYPE(b));
+static int check_batch(const Registry *reg, PyObject *b, const BatchInfo **bip, Ask *ask) {
+    const BatchInfo *bi = find_btype(reg, Py_TYPE(b));
     if (bi == NULL) {
         ask->code = 1;
         ask->type = Py_TYPE(b);
@@ -335,7 +356,7 @@ static int check_batch(PyObject *b, BatchInfo **bip, Ask *ask) {
         rank == NULL || !(rank == Py_None || PyLong_CheckExact(rank)))
         return 0;
     ask->code = 0;
-    if (!all_kv(events, &ask->type)) return 0;
+    if (!all_kv(reg, events, &ask->type)) return 0;
     *bip = bi;
     return 1;
 }
@@ -349,9 +370,9 @@ static int same_rank(PyObject *a, PyObject *b) {
 
 /* A copy of `first` with `ts` and `events` (both references stolen), as
  * msgspec.structs.replace(first, ts=ts, events=events) builds it. */
-static PyObject *rebuild_batch(PyObject *first, const BatchInfo *bi, PyObject *ts,
-                               PyObject *events) {
-    PyObject *obj = PyObject_CallMethodNoArgs(first, s_copy);
+static PyObject *rebuild_batch(const Registry *reg, PyObject *first, const BatchInfo *bi,
+                               PyObject *ts, PyObject *events) {
+    PyObject *obj = PyObject_CallMethodNoArgs(first, reg->s_copy);
     if (obj != NULL && Py_TYPE(obj) != bi->type) {
         Py_DECREF(obj);
         obj = NULL;
@@ -372,8 +393,8 @@ static PyObject *rebuild_batch(PyObject *first, const BatchInfo *bi, PyObject *t
  * run a finalizer, which may run any code), NULL alone on error.  With
  * `check`, the events' classes are checked again too (the rules' read does
  * that itself, so only the fold-only level asks). */
-static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, const BatchInfo *bi,
-                             Py_ssize_t total, int check, int *declined) {
+static PyObject *fold_events(const Registry *reg, PyObject *batches, Py_ssize_t i, Py_ssize_t j,
+                             const BatchInfo *bi, Py_ssize_t total, int check, int *declined) {
     PyObject *evs = PyList_New(total);
     if (evs == NULL) return NULL;
     Py_ssize_t at = 0;
@@ -398,7 +419,7 @@ static PyObject *fold_events(PyObject *batches, Py_ssize_t i, Py_ssize_t j, cons
         return NULL;
     }
     PyTypeObject *unknown = NULL;
-    if (check && !all_kv(evs, &unknown)) {
+    if (check && !all_kv(reg, evs, &unknown)) {
         Py_DECREF(evs);
         *declined = 1;
         return NULL;
@@ -423,12 +444,15 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
     PyObject *given;
     int fold_only, wire = 0;
     if (!PyArg_ParseTuple(args, "O!p|p", &PyList_Type, &given, &fold_only, &wire)) return NULL;
-    if (wire && s_raw_type == NULL) {
+    ModState *ms = get_state(self);
+    Registry *reg = &ms->reg;
+    if (wire && reg->raw_type == NULL) {
         PyObject *msgspec = PyImport_ImportModule("msgspec");
         if (msgspec == NULL) return NULL;
-        s_raw_type = PyObject_GetAttrString(msgspec, "Raw"); /* kept for the process's life */
+        PyObject *raw = PyObject_GetAttrString(msgspec, "Raw");
         Py_DECREF(msgspec);
-        if (s_raw_type == NULL) return NULL;
+        if (raw == NULL) return NULL;
+        Py_XSETREF(reg->raw_type, raw); /* (the import may have run this call already) */
     }
     PyObject *batches = PyList_AsTuple(given); /* held: the caller's list may change */
     if (batches == NULL) return NULL;
@@ -440,15 +464,15 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
     Py_ssize_t i = 0;
     while (i < n) {
         PyObject *first = PyTuple_GET_ITEM(batches, i);
-        BatchInfo *bi = NULL;
-        if (!check_batch(first, &bi, &ask)) goto decline;
+        const BatchInfo *bi = NULL;
+        if (!check_batch(reg, first, &bi, &ask)) goto decline;
         PyObject *rank = FIELD(first, bi->off_rank);
         Py_ssize_t total = PyList_GET_SIZE(FIELD(first, bi->off_events));
         Py_ssize_t j = i + 1;
         for (; j < n; j++) {
             PyObject *b = PyTuple_GET_ITEM(batches, j);
-            BatchInfo *bj = NULL;
-            if (!check_batch(b, &bj, &ask)) goto decline;
+            const BatchInfo *bj = NULL;
+            if (!check_batch(reg, b, &bj, &ask)) goto decline;
             if (bj != bi || !same_rank(FIELD(b, bi->off_rank), rank)) break;
             total += PyList_GET_SIZE(FIELD(b, bi->off_events));
         }
@@ -464,7 +488,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         PyObject *ts = FIELD(last, bi->off_ts);
         Py_INCREF(ts); /* before anything allocates */
         int declined = 0;
-        PyObject *evs = fold_events(batches, i, j, bi, total, fold_only, &declined);
+        PyObject *evs = fold_events(reg, batches, i, j, bi, total, fold_only, &declined);
         if (evs == NULL) {
             Py_DECREF(ts);
             if (declined) goto decline;
@@ -472,7 +496,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         }
         PyObject *new = evs;
         if (!fold_only) {
-            int r = compact_group(evs, &new, counts, &ask.type, wire);
+            int r = compact_group(ms, evs, &new, counts, &ask.type, wire);
             if (r <= 0) {
                 Py_DECREF(ts);
                 Py_DECREF(evs);
@@ -502,7 +526,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
             i = j;
             continue;
         }
-        PyObject *batch = rebuild_batch(first, bi, ts, new);
+        PyObject *batch = rebuild_batch(reg, first, bi, ts, new);
         if (batch == NULL) goto done;
         int r = PyList_Append(out, batch);
         Py_DECREF(batch);
@@ -536,17 +560,67 @@ static PyMethodDef cc_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef cc_module = {
-    PyModuleDef_HEAD_INIT, "coalesce._ccompact",
-    "Optional C accelerator for coalesce.compactor (see the C source's header).", -1,
-    cc_methods, NULL, NULL, NULL, NULL,
+/* ---- the module: multi-phase init, its state freed with it ------------------ */
+
+static int cc_exec(PyObject *module) {
+    Registry *reg = &get_state(module)->reg;
+    reg->s_copy = PyUnicode_InternFromString("__copy__");
+    reg->s_ts = PyUnicode_InternFromString("ts");
+    reg->s_events = PyUnicode_InternFromString("events");
+    reg->s_rank = PyUnicode_InternFromString("data_parallel_rank");
+    if (reg->s_copy == NULL || reg->s_ts == NULL || reg->s_events == NULL || reg->s_rank == NULL)
+        return -1;
+    return 0;
+}
+
+static int cc_traverse(PyObject *module, visitproc visit, void *arg) {
+    Registry *reg = &get_state(module)->reg;
+    for (int i = 0; i < reg->ntypes; i++) Py_VISIT(reg->types[i].type);
+    for (int i = 0; i < reg->nbtypes; i++) Py_VISIT(reg->btypes[i].type);
+    Py_VISIT(reg->raw_type);
+    return 0;
+}
+
+static int cc_clear(PyObject *module) {
+    Registry *reg = &get_state(module)->reg;
+    for (int i = 0; i < reg->ntypes; i++) Py_CLEAR(reg->types[i].type);
+    for (int i = 0; i < reg->nbtypes; i++) Py_CLEAR(reg->btypes[i].type);
+    reg->ntypes = reg->nbtypes = 0;
+    Py_CLEAR(reg->raw_type);
+    Py_CLEAR(reg->s_copy);
+    Py_CLEAR(reg->s_ts);
+    Py_CLEAR(reg->s_events);
+    Py_CLEAR(reg->s_rank);
+    return 0;
+}
+
+static void cc_free(void *module) {
+    cc_clear((PyObject *)module);
+    State *st = &get_state((PyObject *)module)->work;
+    free(st->ids.s);
+    Buf *bufs = (Buf *)&st->bufs;
+    for (size_t i = 0; i < sizeof(st->bufs) / sizeof(Buf); i++) free(bufs[i].p);
+    free(st->segs_a.v);
+    free(st->segs_b.v);
+    for (int j = 0; j < MAX_DESCS; j++) free(st->descs[j].segs.v);
+    memset(st, 0, sizeof(*st));
+}
+
+static PyModuleDef_Slot cc_slots[] = {
+    {Py_mod_exec, cc_exec},
+    {0, NULL},
 };
 
-PyMODINIT_FUNC PyInit__ccompact(void) {
-    s_copy = PyUnicode_InternFromString("__copy__");
-    s_ts = PyUnicode_InternFromString("ts");
-    s_events = PyUnicode_InternFromString("events");
-    s_rank = PyUnicode_InternFromString("data_parallel_rank");
-    if (s_copy == NULL || s_ts == NULL || s_events == NULL || s_rank == NULL) return NULL;
-    return PyModule_Create(&cc_module);
-}
+static struct PyModuleDef cc_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "coalesce._ccompact",
+    .m_doc = "Optional C accelerator for coalesce.compactor (see the C source's header).",
+    .m_size = sizeof(ModState),
+    .m_methods = cc_methods,
+    .m_slots = cc_slots,
+    .m_traverse = cc_traverse,
+    .m_clear = cc_clear,
+    .m_free = cc_free,
+};
+
+PyMODINIT_FUNC PyInit__ccompact(void) { return PyModuleDef_Init(&cc_module); }

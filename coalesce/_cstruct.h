@@ -100,12 +100,17 @@ static PyObject *cs_u64(PyObject *self, PyObject *x) {
     return PyLong_FromUnsignedLongLong((unsigned long long)v);
 }
 
-/* How many times this module released the GIL (a deterministic view of it for
- * the tests: no thread scheduling to observe). */
-static unsigned long long cs_gil_releases_count = 0;
+/* What these probes keep in a module's state: a module that lists
+ * CSTRUCT_METHODS puts a CStructState first in its state struct. */
+typedef struct {
+    /* How many times this module released the GIL (a deterministic view of it
+     * for the tests: no thread scheduling to observe). */
+    unsigned long long gil_releases;
+} CStructState;
 
 static PyObject *cs_gil_releases(PyObject *self, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong(cs_gil_releases_count);
+    const CStructState *cs = (const CStructState *)PyModule_GetState(self);
+    return PyLong_FromUnsignedLongLong(cs->gil_releases);
 }
 
 #define CSTRUCT_METHODS                                                                      \
