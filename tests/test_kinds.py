@@ -45,7 +45,9 @@ def _is_number(node: ast.expr) -> bool:
         return isinstance(node.value, int)
     if isinstance(node, ast.Tuple):
         return all(_is_number(e) for e in node.elts)
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range"
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range"
+    )
 
 
 def _py_defines_kinds(source: str) -> bool:
@@ -57,24 +59,21 @@ def _py_defines_kinds(source: str) -> bool:
             targets, value = [node.target], node.value
         else:
             continue
-        names = [
-            n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
-        ]
+        names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
         if any(_NAME.match(n) for n in names) and _is_number(value):
             return True
     return False
 
 
+def _defines_kinds(path: Path) -> bool:
+    if path.suffix == ".py":
+        return _py_defines_kinds(path.read_text())
+    return path.suffix in (".c", ".h") and _C_DEF.search(path.read_text()) is not None
+
+
 def _second_definitions() -> set[str]:
-    found = set()
-    for path in sorted(PACKAGE.iterdir()):
-        if path.name in ("_kinds.py", "_kinds.h"):
-            continue
-        if path.suffix == ".py" and _py_defines_kinds(path.read_text()):
-            found.add(path.name)
-        elif path.suffix in (".c", ".h") and _C_DEF.search(path.read_text()):
-            found.add(path.name)
-    return found
+    own = ("_kinds.py", "_kinds.h")
+    return {p.name for p in PACKAGE.iterdir() if p.name not in own and _defines_kinds(p)}
 
 
 def test_no_second_definition_of_the_kind_numbers():
