@@ -92,6 +92,41 @@ typedef struct {
 #include "_cc_rules.h"
 #include "_cc_build.h"
 
+/* ---- the results, by name ---------------------------------------------------- */
+
+/* The rule counters a call returns, each named as the CompactionReport field
+ * it fills (coalesce/compactor.py reads them by these names), in the order of
+ * the counts[] arrays (C_superseded ...).  Each list below is written once:
+ * the enums that index the results and the results' field names are both
+ * made from it, so a reorder cannot swap two counters. */
+#define RULE_COUNTERS(X) X(superseded) X(cancelled) X(merged)
+/* compact_window's result (WindowResult) before the counters. */
+#define WINDOW_FIELDS(X) X(batches) X(events_in) X(events_out) X(folded)
+/* compact_events' result (GroupResult) before the counters. */
+#define GROUP_FIELDS(X) X(events)
+
+#define AS_COUNTER(name) C_##name,
+#define AS_WINDOW_INDEX(name) W_##name,
+#define AS_GROUP_INDEX(name) G_##name,
+#define AS_FIELD(name) {#name, NULL},
+enum { RULE_COUNTERS(AS_COUNTER) N_COUNTERS };
+enum { WINDOW_FIELDS(AS_WINDOW_INDEX) W_COUNTERS }; /* then N_COUNTERS counters */
+enum { GROUP_FIELDS(AS_GROUP_INDEX) G_COUNTERS };
+
+static PyStructSequence_Field window_fields[] = {
+    WINDOW_FIELDS(AS_FIELD) RULE_COUNTERS(AS_FIELD){NULL, NULL}};
+static PyStructSequence_Field group_fields[] = {
+    GROUP_FIELDS(AS_FIELD) RULE_COUNTERS(AS_FIELD){NULL, NULL}};
+
+static PyStructSequence_Desc window_desc = {
+    "coalesce._ccompact.WindowResult",
+    "compact_window()'s result: the batches to send, then the report's counts by name.",
+    window_fields, W_COUNTERS + N_COUNTERS};
+static PyStructSequence_Desc group_desc = {
+    "coalesce._ccompact.GroupResult",
+    "compact_events()'s result: the events, then the rule counts by name.", group_fields,
+    G_COUNTERS + N_COUNTERS};
+
 /* ---- the module's state ------------------------------------------------------ */
 
 /* Everything the module keeps between calls (PyModule_GetState(module)): each
@@ -100,7 +135,30 @@ typedef struct {
     CStructState cs; /* first: _cstruct.h's probes read it */
     Registry reg;
     State work; /* compact_group's buffers and table, kept between calls */
+    PyTypeObject *window_result, *group_result; /* the structseq types above */
 } ModState;
+
+/* A new structseq of `type` holding `first` (a reference stolen) in its field
+ * 0, the ints `ints` in fields 1 .. n_ints (ints[k] in field k + 1), then the
+ * counters.  NULL on error. */
+static PyObject *result_of(PyTypeObject *type, PyObject *first, const Py_ssize_t *ints, int n_ints,
+                           const long *counts) {
+    PyObject *r = PyStructSequence_New(type);
+    if (r == NULL) {
+        Py_DECREF(first);
+        return NULL;
+    }
+    PyStructSequence_SET_ITEM(r, 0, first);
+    for (int i = 0; i < n_ints + N_COUNTERS; i++) {
+        PyObject *v = i < n_ints ? PyLong_FromSsize_t(ints[i]) : PyLong_FromLong(counts[i - n_ints]);
+        if (v == NULL) {
+            Py_DECREF(r); /* (its unset items are NULL: structseq_dealloc skips them) */
+            return NULL;
+        }
+        PyStructSequence_SET_ITEM(r, 1 + i, v);
+    }
+    return r;
+}
 
 static inline ModState *get_state(PyObject *module) {
     return (ModState *)PyModule_GetState(module);
@@ -179,17 +237,19 @@ static PyObject *cc_register(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(compact_doc,
-             "compact_events(events) -> (events, superseded, cancelled, merged) | type | None\n\n"
+             "compact_events(events) -> GroupResult | type | None\n\n"
              "Rules 2, 3, 5a, 5 and 6 of coalesce.compactor on one folded group's events (a\n"
              "list), exactly as _compact_events computes them without moves.  Returns a\n"
              "class that is not registered yet (register it and call again), or None\n"
-             "for a window this accelerator declines.  O(events + block hashes).");
+             "for a window this accelerator declines.  A GroupResult is a named tuple\n"
+             "(events, superseded, cancelled, merged).  O(events + block hashes).");
 
 /* Rules 2 to 6 on one folded group's events (an exact list, held by the
- * caller): *out is a new list, counts[] the rules' (superseded, cancelled,
- * merged) added.  1 on success; 0 to decline (*unknown is set when a class not
- * registered yet is why); -1 on error (an exception is set). */
-static int compact_group(ModState *ms, PyObject *events, PyObject **out_list, long counts[3],
+ * caller): *out is a new list, counts[] the rules' counts added (indexed by
+ * C_superseded, C_cancelled, C_merged).  1 on success; 0 to decline (*unknown
+ * is set when a class not registered yet is why); -1 on error (an exception
+ * is set). */
+static int compact_group(ModState *ms, PyObject *events, PyObject **out_list, long *counts,
                          PyTypeObject **unknown, int wire) {
     State *st = &ms->work;
     if (st->busy) return 0;
@@ -240,9 +300,9 @@ static int compact_group(ModState *ms, PyObject *events, PyObject **out_list, lo
         PyList_SET_ITEM(out, head + i, ev);
     }
     *out_list = out;
-    counts[0] += last_clear > 0 ? (long)last_clear : 0;
-    counts[1] += cancelled;
-    counts[2] += merged;
+    counts[C_superseded] += last_clear > 0 ? (long)last_clear : 0;
+    counts[C_cancelled] += cancelled;
+    counts[C_merged] += merged;
     status = 1;
 done:
     st->segs_a = sa;
@@ -256,8 +316,9 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
     if (!PyList_CheckExact(events)) Py_RETURN_NONE;
     PyObject *out = NULL;
     PyTypeObject *unknown = NULL;
-    long counts[3] = {0, 0, 0};
-    int r = compact_group(get_state(self), events, &out, counts, &unknown, 0);
+    long counts[N_COUNTERS] = {0};
+    ModState *ms = get_state(self);
+    int r = compact_group(ms, events, &out, counts, &unknown, 0);
     if (r < 0) return NULL;
     if (r == 0) {
         if (unknown != NULL) {
@@ -266,7 +327,7 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
         }
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(Nlll)", out, counts[0], counts[1], counts[2]);
+    return result_of(ms->group_result, out, NULL, 0, counts);
 }
 
 PyDoc_STRVAR(all_known_doc,
@@ -428,8 +489,7 @@ static PyObject *fold_events(const Registry *reg, PyObject *batches, Py_ssize_t 
 }
 
 PyDoc_STRVAR(compact_window_doc,
-             "compact_window(batches, fold_only, wire=False) -> (batches, events_in, events_out,\n"
-             "    folded, superseded, cancelled, merged) | (code, cls) | None\n\n"
+             "compact_window(batches, fold_only, wire=False) -> WindowResult | (code, cls) | None\n\n"
              "coalesce.compactor.compact(batches, fold_only=fold_only) without moves, in\n"
              "one call: adjacent batches of one class and rank folded, then (unless\n"
              "fold_only) rules 2 to 6 on each group, the result the same objects where\n"
@@ -437,7 +497,9 @@ PyDoc_STRVAR(compact_window_doc,
              "not registered yet (register it and call again), None for a window it\n"
              "declines: any batch or event of a class declined, events not a list, a\n"
              "rank other than None or an int.  With wire, a changed event's block hashes\n"
-             "and token ids are msgspec.Raw, their encoding: batches only to encode.\n"
+             "and token ids are msgspec.Raw, their encoding: batches only to encode.  A\n"
+             "WindowResult is a named tuple (batches, events_in, events_out, folded,\n"
+             "superseded, cancelled, merged), the counts named as CompactionReport's.\n"
              "O(batches + events + block hashes).");
 
 static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
@@ -459,7 +521,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
     PyObject *out = PyList_New(0), *result = NULL;
     if (out == NULL) goto done;
     Py_ssize_t n = PyTuple_GET_SIZE(batches), events_in = 0, events_out = 0, groups = 0;
-    long counts[3] = {0, 0, 0};
+    long counts[N_COUNTERS] = {0};
     Ask ask = {0, NULL};
     Py_ssize_t i = 0;
     while (i < n) {
@@ -534,8 +596,12 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         events_out += m;
         i = j;
     }
-    result = Py_BuildValue("(Onnnlll)", out, events_in, events_out, n - groups, counts[0],
-                           counts[1], counts[2]);
+    Py_ssize_t ints[W_COUNTERS - 1]; /* the fields after W_batches (0) */
+    ints[W_events_in - 1] = events_in;
+    ints[W_events_out - 1] = events_out;
+    ints[W_folded - 1] = n - groups;
+    result = result_of(ms->window_result, out, ints, W_COUNTERS - 1, counts);
+    out = NULL; /* (stolen) */
     goto done;
 decline:
     if (ask.type != NULL)
@@ -570,6 +636,13 @@ static int cc_exec(PyObject *module) {
     reg->s_rank = PyUnicode_InternFromString("data_parallel_rank");
     if (reg->s_copy == NULL || reg->s_ts == NULL || reg->s_events == NULL || reg->s_rank == NULL)
         return -1;
+    ModState *ms = get_state(module);
+    ms->window_result = PyStructSequence_NewType(&window_desc);
+    ms->group_result = PyStructSequence_NewType(&group_desc);
+    if (ms->window_result == NULL || ms->group_result == NULL) return -1;
+    if (PyModule_AddObjectRef(module, "WindowResult", (PyObject *)ms->window_result) < 0 ||
+        PyModule_AddObjectRef(module, "GroupResult", (PyObject *)ms->group_result) < 0)
+        return -1;
     return 0;
 }
 
@@ -578,6 +651,8 @@ static int cc_traverse(PyObject *module, visitproc visit, void *arg) {
     for (int i = 0; i < reg->ntypes; i++) Py_VISIT(reg->types[i].type);
     for (int i = 0; i < reg->nbtypes; i++) Py_VISIT(reg->btypes[i].type);
     Py_VISIT(reg->raw_type);
+    Py_VISIT(get_state(module)->window_result);
+    Py_VISIT(get_state(module)->group_result);
     return 0;
 }
 
@@ -591,6 +666,8 @@ static int cc_clear(PyObject *module) {
     Py_CLEAR(reg->s_ts);
     Py_CLEAR(reg->s_events);
     Py_CLEAR(reg->s_rank);
+    Py_CLEAR(get_state(module)->window_result);
+    Py_CLEAR(get_state(module)->group_result);
     return 0;
 }
 

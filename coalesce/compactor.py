@@ -55,7 +55,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -67,6 +67,9 @@ from coalesce._kinds import (
     is_kv_batch,
 )
 from coalesce._rules import compact_events, split_moves
+
+if TYPE_CHECKING:
+    from coalesce._ccompact import GroupResult, WindowResult
 
 _accel: ModuleType | None = _layout.load_accelerator("_ccompact", "the same rules run in Python")
 """The optional C accelerator (coalesce/_ccompact.c), or None: not built, or
@@ -124,12 +127,11 @@ def _compact_events(events: list[Any], move_events: bool, counts: Counter[str]) 
     """Rules 2 to 6 on one folded group: in C when the accelerator takes the window."""
     if _accel is not None and not move_events:
         result = _accelerated(events)
-        if result is not None:
-            out, superseded, cancelled, merged = result
-            counts["superseded"] += superseded
-            counts["cancelled"] += cancelled
-            counts["merged"] += merged
-            return out
+        if result is not None:  # (the C result's counts are named as the report's fields)
+            counts["superseded"] += result.superseded
+            counts["cancelled"] += result.cancelled
+            counts["merged"] += result.merged
+            return result.events
     return compact_events(events, move_events, counts)
 
 
@@ -184,7 +186,7 @@ def compactable(batch: Any) -> bool:
     return _is_kv_batch(batch)
 
 
-def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
+def _accelerated(events: list[Any]) -> GroupResult | None:
     """The C rules' result, or None for a window they decline.  O(events + hashes).
 
     The first window holding a class unknown to the accelerator registers it
@@ -205,7 +207,7 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
 
 def _accelerated_window(
     batches: list[Any], fold_only: bool, wire: bool = False
-) -> tuple[Any, ...] | None:
+) -> WindowResult | None:
     """The C driver's result for a whole window (fold, then each group's rules),
     or None for a window it declines.  O(batches + events + hashes).
 
@@ -216,7 +218,7 @@ def _accelerated_window(
     tried: set[type] = set()
     while True:
         result = _accel.compact_window(batches, fold_only, wire)
-        if result is None or len(result) != 2:
+        if type(result) is not tuple:  # a WindowResult (a named tuple), or None
             return result  # type: ignore[no-any-return]
         code, cls = result
         if cls in tried:
@@ -294,11 +296,19 @@ def _compact(
     batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool
 ) -> tuple[list[Any], CompactionReport]:
     if _accel is not None and not move_events and type(batches) is list:
-        result = _accelerated_window(batches, fold_only, wire)
-        if result is not None:
-            out, ev_in, ev_out, folded, superseded, cancelled, merged = result
-            report = (len(batches), len(out), ev_in, ev_out, folded, merged, cancelled, superseded)
-            return out, CompactionReport(*report)  # the order of its fields
+        r = _accelerated_window(batches, fold_only, wire)
+        if r is not None:  # (its counts are named as the report's fields)
+            report = CompactionReport(
+                batches_in=len(batches),
+                batches_out=len(r.batches),
+                events_in=r.events_in,
+                events_out=r.events_out,
+                folded=r.folded,
+                merged=r.merged,
+                cancelled=r.cancelled,
+                superseded=r.superseded,
+            )
+            return r.batches, report
     return _compact_py(batches, move_events, fold_only)
 
 
