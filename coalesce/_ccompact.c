@@ -174,6 +174,7 @@ static int is_per_block(int kind, const char *name) {
 }
 
 PyDoc_STRVAR(register_doc,
+             "register($module, cls, kind, fields, /)\n--\n\n"
              "register(cls, kind, fields) -> bool\n\n"
              "Record a class's kind and the slot offsets of its fields (a tuple of\n"
              "names, __struct_fields__ order).  kind 0 means: decline windows that hold\n"
@@ -237,6 +238,7 @@ static PyObject *cc_register(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(compact_doc,
+             "compact_events($module, events, /)\n--\n\n"
              "compact_events(events) -> GroupResult | type | None\n\n"
              "Rules 2, 3, 5a, 5 and 6 of coalesce.compactor on one folded group's events (a\n"
              "list), exactly as _compact_events computes them without moves.  Returns a\n"
@@ -331,6 +333,7 @@ static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
 }
 
 PyDoc_STRVAR(all_known_doc,
+             "all_known($module, events, /)\n--\n\n"
              "all_known(events) -> True | None\n\n"
              "True when every event of the list is of a class registered with a kind\n"
              "this accelerator handles; None otherwise (the caller decides).  O(events).");
@@ -367,15 +370,16 @@ static const BatchInfo *find_btype(const Registry *reg, PyTypeObject *tp) {
 }
 
 PyDoc_STRVAR(register_batch_doc,
-             "register_batch(cls, ok) -> bool\n\n"
+             "register_batch($module, cls, rebuildable, /)\n--\n\n"
+             "register_batch(cls, rebuildable) -> bool\n\n"
              "Record a batch class and the slot offsets of its ts, events and\n"
-             "data_parallel_rank fields.  ok false, or a field that is not a slot, means:\n"
+             "data_parallel_rank fields.  rebuildable false, or a field that is not a slot, means:\n"
              "decline windows that hold it.  Returns whether windows of it are taken\n"
              "(False too when the table of batch classes is full).  O(1).");
 
 static PyObject *cc_register_batch(PyObject *self, PyObject *args) {
     PyObject *cls;
-    int ok;
+    int ok; /* rebuildable */
     if (!PyArg_ParseTuple(args, "O!p", &PyType_Type, &cls, &ok)) return NULL;
     PyTypeObject *tp = (PyTypeObject *)cls;
     Registry *reg = &get_state(self)->reg;
@@ -489,6 +493,7 @@ static PyObject *fold_events(const Registry *reg, PyObject *batches, Py_ssize_t 
 }
 
 PyDoc_STRVAR(compact_window_doc,
+             "compact_window($module, batches, fold_only, wire=False, /)\n--\n\n"
              "compact_window(batches, fold_only, wire=False) -> WindowResult | (code, cls) | None\n\n"
              "coalesce.compactor.compact(batches, fold_only=fold_only) without moves, in\n"
              "one call: adjacent batches of one class and rank folded, then (unless\n"

@@ -49,6 +49,7 @@ static inline SendState *get_state(PyObject *module) {
 }
 
 PyDoc_STRVAR(bind_doc,
+             "bind($module, path, /)\n--\n\n"
              "bind(path) -> bool\n\n"
              "Resolve zmq_send, zmq_errno and zmq_getsockopt in the libzmq at `path`,\n"
              "only if that library is already loaded in this process.  True once\n"
@@ -83,6 +84,7 @@ static void *handle_of(PyObject *arg) {
 }
 
 PyDoc_STRVAR(socket_type_doc,
+             "socket_type($module, handle, /)\n--\n\n"
              "socket_type(handle) -> int\n\n"
              "ZMQ_TYPE of the socket at `handle` (pyzmq's Socket.underlying), read\n"
              "through the bound library; -1 on an error.  Only after bind().  O(1).");
@@ -111,6 +113,7 @@ static int send_frame(const SendState *st, void *h, const void *data, size_t n, 
 }
 
 PyDoc_STRVAR(send_doc,
+             "send($module, handle, topic, seq, payload, tail=b'', /)\n--\n\n"
              "send(handle, topic, seq, payload[, tail]) -> int\n\n"
              "Send [topic, seq as 8 bytes big-endian + tail, payload] on the socket\n"
              "at `handle`, holding the GIL; 0, or the errno of the frame that failed\n"

@@ -113,11 +113,17 @@ static PyObject *cs_gil_releases(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(cs->gil_releases);
 }
 
-#define CSTRUCT_METHODS                                                                      \
-    {"fields_at", cs_fields_at, METH_VARARGS,                                                \
-     "fields_at(obj, names) -> tuple: the fields as the C code reads them (layout probe)."}, \
-        {"u64", cs_u64, METH_O, "u64(x) -> int | None: x as the C code reads a hash."},      \
-        {"gil_releases", cs_gil_releases, METH_NOARGS,                                       \
+/* (Each docstring starts with the signature inspect.signature() reads.) */
+#define CSTRUCT_METHODS                                                                  \
+    {"fields_at", cs_fields_at, METH_VARARGS,                                            \
+     "fields_at($module, obj, names, /)\n--\n\n"                                         \
+     "fields_at(obj, names) -> tuple: the fields as the C code reads them (layout "     \
+     "probe)."},                                                                         \
+        {"u64", cs_u64, METH_O,                                                          \
+         "u64($module, x, /)\n--\n\n"                                                    \
+         "u64(x) -> int | None: x as the C code reads a hash."},                         \
+        {"gil_releases", cs_gil_releases, METH_NOARGS,                                   \
+         "gil_releases($module, /)\n--\n\n"                                              \
          "gil_releases() -> int: how many times this module has released the GIL."},
 
 #endif
