@@ -52,8 +52,9 @@ encoding (``msgspec.Raw``), never built as lists.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from operator import itemgetter
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +119,28 @@ class CompactionReport:
 def rule_stats() -> tuple[tuple[str, str], ...]:
     """``(report field, PublisherStats field)`` for every rule counter.  O(fields)."""
     return tuple((f.name, f.metadata["stat"]) for f in fields(CompactionReport) if f.metadata)
+
+
+def _counts_picker(c_fields: Sequence[str]) -> Callable[[Any], tuple[int, ...]]:
+    """A function of the C window's result (fields named ``c_fields``) that returns
+    its counts in :class:`CompactionReport`'s field order after ``batches_in`` and
+    ``batches_out``, each picked here once by its name: a reorder on either side
+    changes where a count is read, never which report field it fills (and the
+    window path builds the report positionally, at the cost it always had)."""
+    names = [f.name for f in fields(CompactionReport)]
+    picked = [n for n in names if n in c_fields]
+    if names[:2] != ["batches_in", "batches_out"] or names[2 : 2 + len(picked)] != picked:
+        raise RuntimeError("the report fields the C fills must follow batches_in, batches_out")
+    return itemgetter(*(list(c_fields).index(n) for n in picked))
+
+
+_pickers: dict[type, Callable[[Any], tuple[int, ...]]] = {}
+"""The C window result's counts in the report's order, per result class (one)."""
+
+
+def _picker_of(result_type: Any) -> Callable[[Any], tuple[int, ...]]:
+    pick = _pickers[result_type] = _counts_picker(result_type.__match_args__)
+    return pick
 
 
 # --- the pipeline -------------------------------------------------------------
@@ -297,18 +320,10 @@ def _compact(
 ) -> tuple[list[Any], CompactionReport]:
     if _accel is not None and not move_events and type(batches) is list:
         r = _accelerated_window(batches, fold_only, wire)
-        if r is not None:  # (its counts are named as the report's fields)
-            report = CompactionReport(
-                batches_in=len(batches),
-                batches_out=len(r.batches),
-                events_in=r.events_in,
-                events_out=r.events_out,
-                folded=r.folded,
-                merged=r.merged,
-                cancelled=r.cancelled,
-                superseded=r.superseded,
-            )
-            return r.batches, report
+        if r is not None:  # its counts picked by name (_c_counts)
+            out = r.batches
+            pick = _pickers.get(type(r)) or _picker_of(type(r))
+            return out, CompactionReport(len(batches), len(out), *pick(r))
     return _compact_py(batches, move_events, fold_only)
 
 

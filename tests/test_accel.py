@@ -615,3 +615,15 @@ def test_each_count_lands_in_its_own_field() -> None:
     counts = [getattr(report, f) for f in ("events_in", "events_out", "folded", "merged")]
     counts += [report.cancelled, report.superseded, report.batches_in]
     assert 0 not in counts and len(set(counts)) == len(counts), report
+
+
+def test_the_counts_are_picked_by_name() -> None:
+    """Whatever order the C's fields come in, each count fills the field of its name."""
+    names = ("merged", "batches", "superseded", "folded", "events_out", "cancelled", "events_in")
+    result = tuple(range(len(names)))  # each field holds its own index
+    report = compactor.CompactionReport(0, 0, *compactor._counts_picker(names)(result))
+    for i, name in enumerate(names):
+        if name != "batches":
+            assert getattr(report, name) == i, name
+    with pytest.raises(RuntimeError):
+        compactor._counts_picker(("batches", "events_in", "moved"))  # moved: not contiguous
