@@ -101,7 +101,7 @@ typedef struct {
  * made from it, so a reorder cannot swap two counters. */
 #define RULE_COUNTERS(X) X(superseded) X(cancelled) X(merged)
 /* compact_window's result (WindowResult) before the counters. */
-#define WINDOW_FIELDS(X) X(batches) X(events_in) X(events_out) X(folded)
+#define WINDOW_FIELDS(X) X(batches) X(batches_in) X(batches_out) X(events_in) X(events_out) X(folded)
 /* compact_events' result (GroupResult) before the counters. */
 #define GROUP_FIELDS(X) X(events)
 
@@ -503,8 +503,9 @@ PyDoc_STRVAR(compact_window_doc,
              "declines: any batch or event of a class declined, events not a list, a\n"
              "rank other than None or an int.  With wire, a changed event's block hashes\n"
              "and token ids are msgspec.Raw, their encoding: batches only to encode.  A\n"
-             "WindowResult is a named tuple (batches, events_in, events_out, folded,\n"
-             "superseded, cancelled, merged), the counts named as CompactionReport's.\n"
+             "WindowResult is a named tuple (batches, batches_in, batches_out, events_in,\n"
+             "events_out, folded, superseded, cancelled, merged), the counts named as\n"
+             "CompactionReport's fields.\n"
              "O(batches + events + block hashes).");
 
 static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
@@ -602,6 +603,8 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         i = j;
     }
     Py_ssize_t ints[W_COUNTERS - 1]; /* the fields after W_batches (0) */
+    ints[W_batches_in - 1] = n;
+    ints[W_batches_out - 1] = PyList_GET_SIZE(out);
     ints[W_events_in - 1] = events_in;
     ints[W_events_out - 1] = events_out;
     ints[W_folded - 1] = n - groups;

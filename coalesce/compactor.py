@@ -123,19 +123,20 @@ def rule_stats() -> tuple[tuple[str, str], ...]:
 
 def _counts_picker(c_fields: Sequence[str]) -> Callable[[Any], tuple[int, ...]]:
     """A function of the C window's result (fields named ``c_fields``) that returns
-    its counts in :class:`CompactionReport`'s field order after ``batches_in`` and
-    ``batches_out``, each picked here once by its name: a reorder on either side
-    changes where a count is read, never which report field it fills (and the
-    window path builds the report positionally, at the cost it always had)."""
+    :class:`CompactionReport`'s positional arguments: the counts of the fields the
+    C fills (the first ones; ``moved`` keeps its default), each picked here once
+    by its name.  A reorder on either side changes where a count is read, never
+    which report field it fills, and the window path builds the report
+    positionally, at the cost it always had."""
     names = [f.name for f in fields(CompactionReport)]
     picked = [n for n in names if n in c_fields]
-    if names[:2] != ["batches_in", "batches_out"] or names[2 : 2 + len(picked)] != picked:
-        raise RuntimeError("the report fields the C fills must follow batches_in, batches_out")
+    if not picked or names[: len(picked)] != picked:
+        raise RuntimeError("the report fields the C fills must be its first ones")
     return itemgetter(*(list(c_fields).index(n) for n in picked))
 
 
 _pickers: dict[type, Callable[[Any], tuple[int, ...]]] = {}
-"""The C window result's counts in the report's order, per result class (one)."""
+"""The report's arguments from the C window's result, per result class (one)."""
 
 
 def _picker_of(result_type: Any) -> Callable[[Any], tuple[int, ...]]:
@@ -321,9 +322,8 @@ def _compact(
     if _accel is not None and not move_events and type(batches) is list:
         r = _accelerated_window(batches, fold_only, wire)
         if r is not None:  # its counts picked by name (_c_counts)
-            out = r.batches
             pick = _pickers.get(type(r)) or _picker_of(type(r))
-            return out, CompactionReport(len(batches), len(out), *pick(r))
+            return r.batches, CompactionReport(*pick(r))
     return _compact_py(batches, move_events, fold_only)
 
 

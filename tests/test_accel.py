@@ -387,7 +387,7 @@ def test_the_window_driver_leaks_no_references() -> None:
     counts = [sys.getrefcount(o) for o in watched]
     for fold_only in (False, True) * 100:
         result = compactor._accelerated_window(list(batches), fold_only)
-        assert result is not None and len(result) == 7
+        assert result is not None and len(result) == 9
         del result
     assert [sys.getrefcount(o) for o in watched] == counts
 
@@ -619,11 +619,13 @@ def test_each_count_lands_in_its_own_field() -> None:
 
 def test_the_counts_are_picked_by_name() -> None:
     """Whatever order the C's fields come in, each count fills the field of its name."""
-    names = ("merged", "batches", "superseded", "folded", "events_out", "cancelled", "events_in")
+    names = ("merged", "batches", "superseded", "folded", "batches_out", "events_out")
+    names += ("cancelled", "batches_in", "events_in")
     result = tuple(range(len(names)))  # each field holds its own index
-    report = compactor.CompactionReport(0, 0, *compactor._counts_picker(names)(result))
+    report = compactor.CompactionReport(*compactor._counts_picker(names)(result))
     for i, name in enumerate(names):
         if name != "batches":
             assert getattr(report, name) == i, name
+    assert report.moved == 0
     with pytest.raises(RuntimeError):
-        compactor._counts_picker(("batches", "events_in", "moved"))  # moved: not contiguous
+        compactor._counts_picker(("batches", "batches_in", "moved"))  # not the first fields
