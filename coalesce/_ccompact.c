@@ -101,7 +101,8 @@ typedef struct {
  * made from it, so a reorder cannot swap two counters. */
 #define RULE_COUNTERS(X) X(superseded) X(cancelled) X(merged)
 /* compact_window's result (WindowResult) before the counters. */
-#define WINDOW_FIELDS(X) X(batches) X(batches_in) X(batches_out) X(events_in) X(events_out) X(folded)
+#define WINDOW_FIELDS(X) \
+    X(batches) X(batches_in) X(batches_out) X(events_in) X(events_out) X(folded)
 /* compact_events' result (GroupResult) before the counters. */
 #define GROUP_FIELDS(X) X(events)
 
@@ -150,7 +151,8 @@ static PyObject *result_of(PyTypeObject *type, PyObject *first, const Py_ssize_t
     }
     PyStructSequence_SET_ITEM(r, 0, first);
     for (int i = 0; i < n_ints + N_COUNTERS; i++) {
-        PyObject *v = i < n_ints ? PyLong_FromSsize_t(ints[i]) : PyLong_FromLong(counts[i - n_ints]);
+        PyObject *v =
+            i < n_ints ? PyLong_FromSsize_t(ints[i]) : PyLong_FromLong(counts[i - n_ints]);
         if (v == NULL) {
             Py_DECREF(r); /* (its unset items are NULL: structseq_dealloc skips them) */
             return NULL;
@@ -373,8 +375,8 @@ PyDoc_STRVAR(register_batch_doc,
              "register_batch($module, cls, rebuildable, /)\n--\n\n"
              "register_batch(cls, rebuildable) -> bool\n\n"
              "Record a batch class and the slot offsets of its ts, events and\n"
-             "data_parallel_rank fields.  rebuildable false, or a field that is not a slot, means:\n"
-             "decline windows that hold it.  Returns whether windows of it are taken\n"
+             "data_parallel_rank fields.  rebuildable false, or a field that is not a\n"
+             "slot, means: decline windows that hold it.  Returns whether windows of it are taken\n"
              "(False too when the table of batch classes is full).  O(1).");
 
 static PyObject *cc_register_batch(PyObject *self, PyObject *args) {
@@ -494,7 +496,8 @@ static PyObject *fold_events(const Registry *reg, PyObject *batches, Py_ssize_t 
 
 PyDoc_STRVAR(compact_window_doc,
              "compact_window($module, batches, fold_only, wire=False, /)\n--\n\n"
-             "compact_window(batches, fold_only, wire=False) -> WindowResult | (code, cls) | None\n\n"
+             "compact_window(batches, fold_only, wire=False)\n"
+             "    -> WindowResult | (code, cls) | None\n\n"
              "coalesce.compactor.compact(batches, fold_only=fold_only) without moves, in\n"
              "one call: adjacent batches of one class and rank folded, then (unless\n"
              "fold_only) rules 2 to 6 on each group, the result the same objects where\n"
