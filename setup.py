@@ -19,7 +19,7 @@ setup(
         Extension(
             f"coalesce.{name}",
             [f"coalesce/{name}.c"],
-            depends=["coalesce/_cstruct.h", *_PARTS.get(name, ())],
+            depends=["coalesce/_cstruct.h", "coalesce/_kinds.h", *_PARTS.get(name, ())],
             optional=True,
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )

@@ -52,10 +52,11 @@ encoding (``msgspec.Raw``), never built as lists.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from operator import itemgetter
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -67,6 +68,9 @@ from coalesce._kinds import (
     is_kv_batch,
 )
 from coalesce._rules import compact_events, split_moves
+
+if TYPE_CHECKING:
+    from coalesce._ccompact import GroupResult, WindowResult
 
 _accel: ModuleType | None = _layout.load_accelerator("_ccompact", "the same rules run in Python")
 """The optional C accelerator (coalesce/_ccompact.c), or None: not built, or
@@ -82,8 +86,6 @@ __all__ = [
 ]
 
 
-# Fields that hold one entry per block, or describe the chain: they are what a
-# chain merge concatenates, so they are not part of the "all other fields equal" test.
 def _rule(stat: str, doc: str) -> Any:
     """A rule's counter: ``stat`` names the ``PublisherStats`` field it adds to."""
     return field(default=0, metadata={"stat": stat, "doc": doc})
@@ -119,7 +121,27 @@ def rule_stats() -> tuple[tuple[str, str], ...]:
     return tuple((f.name, f.metadata["stat"]) for f in fields(CompactionReport) if f.metadata)
 
 
-# --- rule 2: supersede --------------------------------------------------------
+def _counts_picker(c_fields: Sequence[str]) -> Callable[[Any], tuple[int, ...]]:
+    """A function of the C window's result (fields named ``c_fields``) that returns
+    :class:`CompactionReport`'s positional arguments: the counts of the fields the
+    C fills (the first ones; ``moved`` keeps its default), each picked here once
+    by its name.  A reorder on either side changes where a count is read, never
+    which report field it fills, and the window path builds the report
+    positionally, at the cost it always had."""
+    names = [f.name for f in fields(CompactionReport)]
+    picked = [n for n in names if n in c_fields]
+    if not picked or names[: len(picked)] != picked:
+        raise RuntimeError("the report fields the C fills must be its first ones")
+    return itemgetter(*(list(c_fields).index(n) for n in picked))
+
+
+_pickers: dict[type, Callable[[Any], tuple[int, ...]]] = {}
+"""The report's arguments from the C window's result, per result class (one)."""
+
+
+def _picker_of(result_type: Any) -> Callable[[Any], tuple[int, ...]]:
+    pick = _pickers[result_type] = _counts_picker(result_type.__match_args__)
+    return pick
 
 
 # --- the pipeline -------------------------------------------------------------
@@ -132,12 +154,11 @@ def _compact_events(
     takes the window."""
     if accel is not None and not move_events:
         result = _accelerated(events)
-        if result is not None:
-            out, superseded, cancelled, merged = result
-            counts["superseded"] += superseded
-            counts["cancelled"] += cancelled
-            counts["merged"] += merged
-            return out
+        if result is not None:  # (the C result's counts are named as the report's fields)
+            counts["superseded"] += result.superseded
+            counts["cancelled"] += result.cancelled
+            counts["merged"] += result.merged
+            return result.events
     return compact_events(events, move_events, counts)
 
 
@@ -192,7 +213,7 @@ def compactable(batch: Any) -> bool:
     return _is_kv_batch(batch)
 
 
-def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
+def _accelerated(events: list[Any]) -> GroupResult | None:
     """The C rules' result, or None for a window they decline.  O(events + hashes).
 
     The first window holding a class unknown to the accelerator registers it
@@ -213,7 +234,7 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
 
 def _accelerated_window(
     batches: list[Any], fold_only: bool, wire: bool = False
-) -> tuple[Any, ...] | None:
+) -> WindowResult | None:
     """The C driver's result for a whole window (fold, then each group's rules),
     or None for a window it declines.  O(batches + events + hashes).
 
@@ -224,7 +245,7 @@ def _accelerated_window(
     tried: set[type] = set()
     while True:
         result = _accel.compact_window(batches, fold_only, wire)
-        if result is None or len(result) != 2:
+        if type(result) is not tuple:  # a WindowResult (a named tuple), or None
             return result  # type: ignore[no-any-return]
         code, cls = result
         if cls in tried:
@@ -312,11 +333,10 @@ def _compact(
     batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool, accel: Any
 ) -> tuple[list[Any], CompactionReport]:
     if accel is not None and not move_events and type(batches) is list:
-        result = _accelerated_window(batches, fold_only, wire)
-        if result is not None:
-            out, ev_in, ev_out, folded, superseded, cancelled, merged = result
-            report = (len(batches), len(out), ev_in, ev_out, folded, merged, cancelled, superseded)
-            return out, CompactionReport(*report)  # the order of its fields
+        r = _accelerated_window(batches, fold_only, wire)
+        if r is not None:  # its counts picked by name (_c_counts)
+            pick = _pickers.get(type(r)) or _picker_of(type(r))
+            return r.batches, CompactionReport(*pick(r))
     return _compact_py(batches, move_events, fold_only, accel)
 
 
