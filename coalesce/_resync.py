@@ -128,13 +128,7 @@ class Resync:
         except Exception as exc:
             feed.abandon_resync()
             stream.lose()
-            self._limited.warning(
-                "resync",
-                "kv-coalesce: a resync was cut short (%s: %.200s); %s",
-                type(exc).__name__,
-                exc,
-                self._told,
-            )
+            self._limited.failure("cut short", "a resync was cut short", exc, self._told)
             return
         if chunk is None:
             self._totals.resyncs += 1

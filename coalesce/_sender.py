@@ -403,23 +403,13 @@ class Sender:
     def _encode_failed(self, exc: BaseException) -> None:
         self.totals.encode_failures += 1
         self._stream.lose()
-        self.limited.warning(
-            "encode",
-            "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); %s",
-            type(exc).__name__,
-            exc,
-            self.loss_told,
-        )
+        what = "a batch could not be encoded and is lost"
+        self.limited.failure("encode", what, exc, self.loss_told)
 
     def _compaction_failed(self, exc: BaseException) -> None:
         self.totals.compaction_failures += 1
-        self.limited.warning(
-            "compact",
-            "kv-coalesce: a window could not be compacted (%s: %.200s); "
-            "its batches are sent as they are",
-            type(exc).__name__,
-            exc,
-        )
+        what, then = "a window could not be compacted", "its batches are sent as they are"
+        self.limited.failure("compact", what, exc, then)
 
     def _abandon(self, why: str) -> None:
         batches, events = self._backlog.drain()  # (counted as dropped there)

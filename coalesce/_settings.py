@@ -16,7 +16,7 @@ import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Budgets",
@@ -145,20 +145,20 @@ def _endpoint(raw: Any) -> str | None:
     return raw.strip() or None
 
 
-def _loss_marker(raw: Any) -> LossMarker:
-    text = str(raw.value if isinstance(raw, LossMarker) else raw).strip().lower()
-    try:
-        return LossMarker(text)
-    except ValueError:
-        raise ValueError("expected " + ", ".join(m.value for m in LossMarker)) from None
+_Choice = TypeVar("_Choice", bound=enum.Enum)
 
 
-def _identity(raw: Any) -> Identity:
-    text = str(raw.value if isinstance(raw, Identity) else raw).strip().lower()
-    try:
-        return Identity(text)
-    except ValueError:
-        raise ValueError("expected " + " or ".join(m.value for m in Identity)) from None
+def _one_of(choices: type[_Choice]) -> Callable[[Any], _Choice]:
+    """The parser of a knob that names one of ``choices`` (any case, spaces ignored)."""
+
+    def parse(raw: Any) -> _Choice:
+        text = str(raw.value if isinstance(raw, choices) else raw).strip().lower()
+        try:
+            return choices(text)
+        except ValueError:
+            raise ValueError("expected " + ", ".join(m.value for m in choices)) from None
+
+    return parse
 
 
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
@@ -183,7 +183,7 @@ class Settings:
     """Events one compaction step takes (bounds each GIL hold of the sender); a rules
     window takes up to 4x as many while the rest of the sender's GIL slice holds them
     at the rules' measured cost."""
-    loss_marker: LossMarker = _knob(LossMarker.CLEAR, _loss_marker)  # noqa: RUF009
+    loss_marker: LossMarker = _knob(LossMarker.CLEAR, _one_of(LossMarker))  # noqa: RUF009
     """How a loss (a batch refused past the budget, or one that cannot be encoded) is
     told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
     holding one ``AllBlocksCleared``, so the sequence has no hole and every consumer
@@ -211,7 +211,7 @@ class Settings:
     every live message carries a 16-byte ``publisher_id`` (``snapshot_identity``) and
     an idle publisher sends an empty batch every second; unset, the wire is vLLM
     0.33's."""
-    snapshot_identity: Identity = _knob(Identity.SEQ, _identity)  # noqa: RUF009
+    snapshot_identity: Identity = _knob(Identity.SEQ, _one_of(Identity))  # noqa: RUF009
     """Where a live message carries the ``publisher_id`` with snapshots on: ``seq``,
     after the seq in a 24-byte seq frame (PR #57789's earlier revisions; every
     llm-d-router build reads the seq from the first 8 bytes); ``batch``, a 4th batch

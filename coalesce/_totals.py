@@ -29,6 +29,10 @@ class RateLimited:
     def warning(self, key: str, msg: str, *args: object) -> None:
         self.log(logging.WARNING, key, msg, *args)
 
+    def failure(self, key: str, what: str, exc: BaseException, then: str) -> None:
+        """A WARNING that ``what`` happened because of ``exc``, and what ``then``."""
+        self.warning(key, "kv-coalesce: %s (%s: %.200s); %s", what, type(exc).__name__, exc, then)
+
     def log(self, level: int, key: str, msg: str, *args: object) -> None:
         now = time.monotonic()
         if now - self._last.get(key, -self._period) < self._period:
