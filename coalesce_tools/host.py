@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["describe", "host"]
@@ -25,8 +26,11 @@ def host(engine: str = "vllm") -> dict[str, Any]:
     publishers is the stock one (the real class, or the re-implementation)."""
     from importlib.metadata import version
 
-    from coalesce.testing import accelerators
+    from coalesce import testing
     from coalesce_tools.baselines import stock_publisher
+
+    # (an older checkout's library, in a before/after run, has no accelerators())
+    accelerators: Callable[[], dict[str, bool]] = getattr(testing, "accelerators", dict)
 
     stock = f"re-implemented ({engine} not installed)"
     if stock_publisher(engine)[1]:
