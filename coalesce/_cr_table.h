@@ -75,7 +75,7 @@ static int tab_resize(Tab *t, size_t cap) {
 /* The entry of (h, sk), made (count 0, src NIL) if absent; *made says which.
  * NULL when out of memory. */
 static inline Ent *tab_put(Tab *t, uint64_t h, uint32_t sk, int *made) {
-    if ((t->n + 1) * 4 > t->cap * 3 && !tab_resize(t, t->cap ? t->cap * 2 : 64)) return NULL;
+    if ((t->n + 1) * 2 > t->cap && !tab_resize(t, t->cap ? t->cap * 2 : 64)) return NULL;
     size_t m = t->cap - 1, i = tab_home(t, h, sk);
     for (;;) {
         Ent *x = &t->e[i];
@@ -124,7 +124,7 @@ static void tab_free(Tab *t) {
 static int tab_shrink(Tab *t) {
     if (t->cap <= 1024 || t->n * 8 > t->cap) return 1;
     size_t cap = t->cap;
-    while (cap > 1024 && t->n * 4 < cap) cap /= 2;
+    while (cap > 1024 && t->n * 8 < cap) cap /= 2;
     return tab_resize(t, cap);
 }
 

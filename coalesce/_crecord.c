@@ -51,6 +51,8 @@ enum { STOP_DONE = 0, STOP_UNKNOWN = 1, STOP_MOVE = 2, STOP_PYTHON = 3 };
 enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP, NF };
 
 #define MAX_TYPES 64
+#define AHEAD 4 /* prefetch distance, in events */
+#define NCACHE 8 /* scopes remembered by value (a stream alternates between a few) */
 #define NOGIL_FROM 4096 /* hashes in a call from which the table is updated without the GIL */
 #define MAX_SCOPES 0x7ffffff0u
 
@@ -89,6 +91,17 @@ static inline const uint64_t *src_hashes(const Src *s) { return s->size == 1 ? &
 static inline const uint32_t *src_deps(const Src *s) { return s->ndeps == 1 ? &s->d1 : s->deps; }
 static inline uint32_t src_sk(const Src *s, uint32_t j) {
     return s->scope | (s->ifl != NULL && s->ifl[j] ? IFLAG : 0);
+}
+
+typedef struct {
+    PyObject *v[4];
+    uint32_t id;
+    int valid;
+} ScopeCache;
+
+static void cache_clear(ScopeCache *c) {
+    for (int k = 0; k < 4; k++) Py_CLEAR(c->v[k]);
+    c->valid = 0;
 }
 
 /* One event read under the GIL, applied later. */
@@ -132,6 +145,8 @@ typedef struct {
     /* counters as of the end of the last call (read while the table is busy) */
     long long pub_held, pub_counts, pub_kept, pub_sources;
     int stopped;
+    ScopeCache cache[NCACHE]; /* the last scopes looked up (cleared with the scopes) */
+    int cache_next;
 } State;
 
 static PyTypeObject State_Type;
@@ -166,7 +181,17 @@ static uint32_t src_alloc(State *st) {
 
 /* The source `id` loses a reference; at 0 it is dropped, and its dependencies
  * lose theirs (iteratively: a chain of parents may be long).  0 on OOM. */
-static int src_release(State *st, uint32_t id) {
+static int src_release_slow(State *st, uint32_t id);
+
+static inline int src_release(State *st, uint32_t id) {
+    if (st->src[id].refs > 1) { /* the usual case: still kept */
+        st->src[id].refs--;
+        return 1;
+    }
+    return src_release_slow(st, id);
+}
+
+static int src_release_slow(State *st, uint32_t id) {
     st->stack.n = 0;
     uint32_t *top = (uint32_t *)vec_push(&st->stack);
     if (top == NULL) return 0;
@@ -354,8 +379,16 @@ static int apply_remove(State *st, const Op *op) {
 
 /* Phase 2: the gathered ops, applied.  0 on OOM. */
 static int apply_ops(State *st) {
-    for (size_t k = 0; k < st->ops.n; k++) {
+    size_t nops = st->ops.n;
+    for (size_t k = 0; k < nops; k++) {
         Op *op = &VEC_AT(&st->ops, Op, k);
+        /* the table slot of a later op's first hash (the loop's cache miss), fetched ahead */
+        if (k + 2 * AHEAD < nops && st->keys.cap > 0) {
+            const Op *p = &VEC_AT(&st->ops, Op, k + 2 * AHEAD);
+            uint64_t h = VEC_AT(&st->hb, uint64_t, p->h0);
+            uint32_t sk = p->scope | (VEC_AT(&st->hf, uint8_t, p->h0) ? IFLAG : 0);
+            __builtin_prefetch(&st->keys.e[tab_home(&st->keys, h, sk)]);
+        }
         int ok = op->kind == STORED ? apply_store(st, op) : apply_remove(st, op);
         if (!ok) return 0;
     }
@@ -411,6 +444,7 @@ static void forget(State *st) {
     st->held = st->counts = st->kept = 0;
     for (uint32_t i = 0; i < st->nscopes; i++) Py_CLEAR(st->scopes[i]);
     st->nscopes = 0;
+    for (int k = 0; k < NCACHE; k++) cache_clear(&st->cache[k]);
     if (st->scope_ids) PyDict_Clear(st->scope_ids);
     for (uint32_t i = 0; i < st->niobj; i++) Py_CLEAR(st->iobj[i]);
     st->niobj = 0;
@@ -424,13 +458,28 @@ static void forget(State *st) {
 
 /* ---- phase 1: reading the events (the GIL held) ---------------------------- */
 
-/* The last scope looked up: its four values (compared by identity; the events
- * of a call hold them) and its id (NIL: not interned). */
-typedef struct {
-    PyObject *v[4];
-    uint32_t id;
-    int valid;
-} ScopeCache;
+/* The last scope looked up: its four values (strong references, compared by
+ * identity, then by value for str and int: decoded events hold equal strings
+ * that are not the same object) and its id (NIL: not interned). */
+static inline int same_value(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyUnicode_CheckExact(a) && PyUnicode_CheckExact(b)) {
+        Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+        if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) return 0;
+        const char *x = (const char *)PyUnicode_DATA(a), *y = (const char *)PyUnicode_DATA(b);
+        size_t len = (size_t)n * PyUnicode_KIND(a);
+        for (size_t i = 0; i < len; i++)
+            if (x[i] != y[i]) return 0;
+        return 1;
+    }
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int overflow_a = 0, overflow_b = 0;
+        long long x = PyLong_AsLongLongAndOverflow(a, &overflow_a);
+        long long y = PyLong_AsLongLongAndOverflow(b, &overflow_b);
+        return !overflow_a && !overflow_b && x == y;
+    }
+    return 0;
+}
 
 static inline PyObject *field(PyObject *ev, const TypeInfo *ti, int f) {
     Py_ssize_t off = ti->off[f];
@@ -439,15 +488,27 @@ static inline PyObject *field(PyObject *ev, const TypeInfo *ti, int f) {
 
 /* The scope id of ev (NIL: none interned and !create); -1 on a Python error
  * (an unhashable value). */
-static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, ScopeCache *c, int create) {
+static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, int create) {
     PyObject *v[4];
     for (int k = 0; k < 4; k++) {
         v[k] = field(ev, ti, F_MEDIUM + k);
         if (v[k] == NULL) return -2; /* unset */
     }
-    if (c->valid && v[0] == c->v[0] && v[1] == c->v[1] && v[2] == c->v[2] && v[3] == c->v[3] &&
-        (c->id != NIL || !create))
-        return c->id;
+    for (int k = 0; k < NCACHE; k++) {
+        ScopeCache *c = &st->cache[k];
+        if (c->valid && same_value(v[0], c->v[0]) &&
+            same_value(v[1], c->v[1]) && same_value(v[2], c->v[2]) && same_value(v[3], c->v[3])) {
+            uint32_t id = c->id;
+            if (k > 0) { /* the most recent first */
+                ScopeCache tmp = st->cache[0];
+                st->cache[0] = *c;
+                *c = tmp;
+            }
+            return id;
+        }
+    }
+    ScopeCache *c = &st->cache[st->cache_next];
+    st->cache_next = (st->cache_next + 1) % NCACHE;
     PyObject *t = PyTuple_Pack(4, v[0], v[1], v[2], v[3]);
     if (t == NULL) return -1;
     PyObject *idobj = PyDict_GetItemWithError(st->scope_ids, t);
@@ -458,7 +519,8 @@ static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, ScopeCach
         Py_DECREF(t);
         return -1;
     } else if (!create) {
-        id = NIL;
+        Py_DECREF(t);
+        return NIL; /* (not remembered: a store may intern it later in this call) */
     } else {
         if (st->nscopes >= MAX_SCOPES) {
             Py_DECREF(t);
@@ -487,7 +549,8 @@ static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, ScopeCach
         st->scopes[st->nscopes++] = Py_NewRef(t);
     }
     Py_DECREF(t);
-    for (int k = 0; k < 4; k++) c->v[k] = v[k];
+    cache_clear(c);
+    for (int k = 0; k < 4; k++) c->v[k] = Py_NewRef(v[k]);
     c->id = id;
     c->valid = 1;
     return id;
@@ -559,7 +622,7 @@ static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *fl
 
 /* Read one store or removal into an op.  1 read (or nothing to do), 0 an event
  * it does not take, -1 a Python error. */
-static int read_event(State *st, PyObject *ev, const TypeInfo *ti, ScopeCache *cache) {
+static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     PyObject *hashes = FIELD(ev, ti->off[F_HASHES]);
     if (hashes == NULL || !(PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes))) return 0;
     PyObject **items = PySequence_Fast_ITEMS(hashes);
@@ -570,7 +633,7 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti, ScopeCache *c
     Op op;
     memset(&op, 0, sizeof(op));
     op.kind = ti->kind;
-    long long scope = scope_of(st, ev, ti, cache, store);
+    long long scope = scope_of(st, ev, ti, store);
     if (scope == -2) return 0;
     if (scope == -1) return -1;
     if (scope == NIL) return 1; /* a removal in a scope never stored to: a no-op */
@@ -605,7 +668,12 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti, ScopeCache *c
             PyErr_NoMemory();
             return -1;
         }
-        int r = hash_key(st, items[j], store, h, f);
+        PyObject *o = items[j];
+        if (PyLong_CheckExact(o) && long_u64(o, h)) {
+            *f = 0;
+            continue;
+        }
+        int r = hash_key(st, o, store, h, f);
         if (r <= 0) {
             st->hb.n = st->hf.n = h0;
             return r;
@@ -655,15 +723,21 @@ static int check_free(State *st) {
 }
 
 PyDoc_STRVAR(record_doc,
-             "record(events, i) -> int\n\n"
+             "record(events, i[, max_blocks]) -> int\n\n"
              "Apply events[i:] (a list); the index of the first event not applied, the\n"
-             "reason in `stopped` (see the module source's header).  On an error (out of\n"
-             "memory, an unhashable scope) raises: the caller forgets the state.");
+             "reason in `stopped` (see the module source's header); -1 when all were\n"
+             "applied and the counts' sum or the kept hashes exceed max_blocks.  On an\n"
+             "error (out of memory) raises: the caller forgets the state.");
 
 static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "record(events: list, i: int)");
+    if (nargs < 2 || nargs > 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "record(events: list, i: int[, max_blocks: int])");
         return NULL;
+    }
+    long long max_blocks = -1;
+    if (nargs == 3) {
+        max_blocks = PyLong_AsLongLong(args[2]);
+        if (max_blocks == -1 && PyErr_Occurred()) return NULL;
     }
     if (!check_free(st)) return NULL;
     PyObject *events = args[0];
@@ -671,13 +745,37 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
     if (i == -1 && PyErr_Occurred()) return NULL;
     if (i < 0) i = 0;
     Py_INCREF(events);
-    ScopeCache cache = {{NULL, NULL, NULL, NULL}, NIL, 0};
     const TypeInfo *ti = NULL;
     st->stopped = STOP_DONE;
     st->ops.item = sizeof(Op);
     int failed = 0;
-    for (; i < PyList_GET_SIZE(events); i++) {
+    Py_ssize_t nev = PyList_GET_SIZE(events);
+    for (; i < nev; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i);
+        /* the objects the loop reads, fetched ahead: an event, then its lists, then
+         * its first hash (only for events of the class of this one) */
+        if (i + 3 * AHEAD < nev) __builtin_prefetch(PyList_GET_ITEM(events, i + 3 * AHEAD));
+        if (ti != NULL && (ti->kind == STORED || ti->kind == REMOVED)) {
+            if (i + 2 * AHEAD < nev) {
+                PyObject *ahead = PyList_GET_ITEM(events, i + 2 * AHEAD);
+                if (Py_TYPE(ahead) == ti->type) {
+                    PyObject *hs = FIELD(ahead, ti->off[F_HASHES]);
+                    if (hs != NULL) __builtin_prefetch(hs);
+                    if (ti->off[F_TOKENS] >= 0) {
+                        PyObject *tk = FIELD(ahead, ti->off[F_TOKENS]);
+                        if (tk != NULL) __builtin_prefetch(tk);
+                    }
+                }
+            }
+            if (i + AHEAD < nev) {
+                PyObject *ahead = PyList_GET_ITEM(events, i + AHEAD);
+                if (Py_TYPE(ahead) == ti->type) {
+                    PyObject *hs = FIELD(ahead, ti->off[F_HASHES]);
+                    if (hs != NULL && PyList_CheckExact(hs) && PyList_GET_SIZE(hs) > 0)
+                        __builtin_prefetch(PyList_GET_ITEM(hs, 0));
+                }
+            }
+        }
         if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(Py_TYPE(ev));
         if (ti == NULL) {
             st->stopped = STOP_UNKNOWN;
@@ -694,14 +792,13 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
                 break;
             }
             forget(st);
-            cache.valid = 0;
             continue;
         }
         if (ti->kind == UNREADABLE) {
             st->stopped = STOP_PYTHON;
             break;
         }
-        int r = read_event(st, ev, ti, &cache);
+        int r = read_event(st, ev, ti);
         if (r < 0) {
             PyErr_Clear(); /* the Python recorder meets it again, and says what it is */
             r = 0;
@@ -714,6 +811,8 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
     if (!flush(st)) failed = 1;
     Py_DECREF(events);
     if (failed) return NULL;
+    if (i == nev && max_blocks >= 0 && (st->counts > max_blocks || st->kept > max_blocks))
+        return PyLong_FromLong(-1); /* applied, and over the budget */
     return PyLong_FromSsize_t(i);
 }
 
@@ -1257,6 +1356,8 @@ static void state_init_fields(State *st) {
     st->oom = st->busy = 0;
     st->gen = 0;
     st->stopped = 0;
+    memset(&st->cache, 0, sizeof(st->cache));
+    st->cache_next = 0;
     publish(st);
 }
 

@@ -154,12 +154,37 @@ class Recorder:
         makes the recorder exact again and the events after it are applied.
         """
         self.batches += 1
+        if self._cmode and self.valid:  # the usual case: one call into C
+            try:
+                events = batch.events
+                if type(events) is list:
+                    self.events += len(events)
+                    i = self._cs.record(events, 0, self.max_blocks)
+                    if i == len(events):
+                        return
+                    if i < 0:
+                        self.invalidate(
+                            f"more than snapshot_max_blocks={self.max_blocks} blocks kept"
+                        )
+                        return
+                    self._record_list(events, i)
+                    return
+            except Exception as exc:  # (as below)
+                self.invalidate(
+                    f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
+                )
+                return
+        self._record_list(None, 0, batch)
+
+    def _record_list(self, events: list[Any] | None, i: int, batch: Any = None) -> None:
+        """:meth:`record` from ``events[i]`` on (``batch``'s events when None)."""
         try:
-            events = batch.events
-            if type(events) is not list:
-                events = list(events)
-            self.events += len(events)
-            i, end = 0, len(events)
+            if events is None:
+                events = batch.events
+                if type(events) is not list:
+                    events = list(events)
+                self.events += len(events)
+            end = len(events)
             while i < end:
                 if self._cmode and self.valid:
                     i = self._record_c(events, i)
