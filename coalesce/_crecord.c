@@ -53,7 +53,8 @@ enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP,
 #define MAX_TYPES 64
 #define AHEAD 4 /* prefetch distance, in events */
 #define NCACHE 8 /* scopes remembered by value (a stream alternates between a few) */
-#define NOGIL_FROM 4096 /* hashes in a call from which the table is updated without the GIL */
+static Py_ssize_t g_nogil_from = 4096; /* hashes in a call from which the table is updated
+                                        without the GIL (set_nogil_from) */
 #define MAX_SCOPES 0x7ffffff0u
 
 typedef struct {
@@ -696,7 +697,7 @@ static int flush(State *st) {
     int ok = 1;
     if (st->ops.n > 0) {
         st->gen++;
-        if (st->hb.n >= NOGIL_FROM) {
+        if (g_nogil_from >= 0 && st->hb.n >= (size_t)g_nogil_from) {
             st->busy = 1;
             cs_gil_releases_count++;
             Py_BEGIN_ALLOW_THREADS
@@ -1458,8 +1459,19 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+static PyObject *cr_set_nogil_from(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t was = g_nogil_from;
+    g_nogil_from = n;
+    return PyLong_FromSsize_t(was);
+}
+
 static PyMethodDef methods[] = {
     {"register", cr_register, METH_VARARGS, register_doc},
+    {"set_nogil_from", cr_set_nogil_from, METH_O,
+     "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
+     "never); the previous setting (for benchmarks)."},
     CSTRUCT_METHODS{NULL, NULL, 0, NULL},
 };
 
