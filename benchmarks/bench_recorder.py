@@ -260,7 +260,13 @@ def main() -> None:
         f"{args.rounds} rounds x {args.seconds} s, medians\n"
     )
     header(
-        "workload", "raw encode ns/event", "decode", "record", "record py", "record compacted", *FEEDS
+        "workload",
+        "raw encode ns/event",
+        "decode",
+        "record",
+        "record py",
+        "record compacted",
+        *FEEDS,
     )
     gc.collect()
     for name, windows in workloads(args.window).items():

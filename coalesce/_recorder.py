@@ -413,7 +413,9 @@ class Recorder:
         """Store events kept for the program.  O(1)."""
         return int(self._cs.sources) if self._cmode else len(self._sources)
 
-    def export(self) -> tuple[dict[Scope, dict[Any, int]], dict[int, tuple[Any, ...]], dict[int, int], list[int]]:
+    def export(
+        self,
+    ) -> tuple[dict[Scope, dict[Any, int]], dict[int, tuple[Any, ...]], dict[int, int], list[int]]:
         """The state as ``(live, sources, refs, n)`` in the Python loop's form, source
         ids renumbered 0.. in recorded order (so that two recorders' states compare
         equal when they are the same).  O(keys + sources)."""

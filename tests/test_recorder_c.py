@@ -92,7 +92,9 @@ def events(draw: Any) -> Any:
         )
     if kind == "remove":
         if other:
-            return OtherRemoved(note="x", block_hashes=hs, medium=draw(media), group_idx=draw(groups))
+            return OtherRemoved(
+                note="x", block_hashes=hs, medium=draw(media), group_idx=draw(groups)
+            )
         return BlockRemoved(
             block_hashes=hs, medium=draw(media), group_idx=draw(groups), locality=draw(localities)
         )
