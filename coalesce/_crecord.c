@@ -148,6 +148,7 @@ typedef struct {
     int stopped;
     ScopeCache cache[NCACHE]; /* the last scopes looked up (cleared with the scopes) */
     int cache_next;
+    size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
 } State;
 
 static PyTypeObject State_Type;
@@ -687,29 +688,62 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
         PyErr_NoMemory();
         return -1;
     }
-    if (store) op.ev = Py_NewRef(ev);
+    if (store) {
+        op.ev = Py_NewRef(ev);
+        st->store_ops++;
+        st->store_hashes += op.n;
+    }
     *slot = op;
     return 1;
 }
 
-/* Phases 2 and 3 for the ops gathered.  0 on OOM (an exception set). */
+/* Whether applying the ops gathered will grow the key table or the sources'
+ * array (a rehash or a copy of the whole state: done without the GIL). */
+static int will_grow(const State *st) {
+    return (st->keys.cap >= (1u << 13) && (st->keys.n + st->store_hashes + 1) * 2 > st->keys.cap) ||
+           (st->nsrc_cap >= (1u << 12) && (size_t)st->nsources + st->store_ops > st->nsrc_cap);
+}
+
+/* Whether the key table is to shrink (a rehash, likewise). */
+static int will_shrink(const State *st) {
+    return st->keys.cap > 1024 && st->keys.n * 8 <= st->keys.cap;
+}
+
+/* Whether a shrink is large enough to be done without the GIL. */
+static int big_shrink(const State *st) { return st->keys.cap >= (1u << 13) && will_shrink(st); }
+
+/* Phases 2 and 3 for the ops gathered.  The table is updated without the GIL
+ * for a call of many hashes, or one that grows or shrinks the state's arrays
+ * (so that no hold of the GIL copies the whole state).  0 on OOM (an
+ * exception set). */
 static int flush(State *st) {
     int ok = 1;
     if (st->ops.n > 0) {
         st->gen++;
-        if (g_nogil_from >= 0 && st->hb.n >= (size_t)g_nogil_from) {
+        int nogil = g_nogil_from >= 0 && (st->hb.n >= (size_t)g_nogil_from || will_grow(st));
+        if (nogil) {
             st->busy = 1;
             cs_gil_releases_count++;
             Py_BEGIN_ALLOW_THREADS
             ok = apply_ops(st);
+            if (ok && will_shrink(st)) ok = tab_shrink(&st->keys);
             Py_END_ALLOW_THREADS
             st->busy = 0;
         } else {
             ok = apply_ops(st);
         }
     }
+    if (ok && will_shrink(st) && !big_shrink(st)) ok = tab_shrink(&st->keys);
+    if (ok && big_shrink(st)) {
+        st->busy = 1;
+        cs_gil_releases_count++;
+        Py_BEGIN_ALLOW_THREADS
+        ok = tab_shrink(&st->keys);
+        Py_END_ALLOW_THREADS
+        st->busy = 0;
+    }
+    st->store_ops = st->store_hashes = 0;
     finish(st);
-    if (!tab_shrink(&st->keys)) ok = 0;
     publish(st);
     if (!ok) PyErr_NoMemory();
     return ok;
@@ -1359,6 +1393,7 @@ static void state_init_fields(State *st) {
     st->stopped = 0;
     memset(&st->cache, 0, sizeof(st->cache));
     st->cache_next = 0;
+    st->store_ops = st->store_hashes = 0;
     publish(st);
 }
 
