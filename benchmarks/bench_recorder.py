@@ -30,10 +30,11 @@ for each, and the longest single ``record()`` call (one GIL hold).
 Then the snapshot itself: building and encoding the chunks of the program the
 seed workload leaves, per held block, and the longest chunk (one sender
 step); and snapshots of 100,000 and ``--blocks`` (1M) held blocks, end to
-end, with the recorder's memory: its C state, and the process's RSS growth
-while it was built (the recorded events included: 16 tokens a block); then
-the RSS growth over 100,000 batches that cancel out (store and remove of
-fresh blocks, as refused batches may be), with the 1M blocks held.
+end, with the size of the recorder's C state; then, in a fresh process each,
+the RSS a recorder of ``--blocks`` held blocks adds (the recorded events
+included: 16 tokens a block), and the RSS growth over 100,000 batches that
+cancel out (store and remove of fresh blocks, as refused batches may be)
+with those blocks held, for the C state and for the Python dicts.
 
     .venv/bin/python benchmarks/bench_recorder.py [--seconds 0.4] [--rounds 7] [--blocks N]
 """
@@ -43,9 +44,11 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -229,9 +232,9 @@ def cancelling(i: int) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[store, gone], data_parallel_rank=0)
 
 
-def big_state(blocks: int) -> Recorder:
+def big_state(blocks: int, accelerated: bool | None = None) -> Recorder:
     """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size)."""
-    rec = Recorder(blocks + 1)
+    rec = Recorder(blocks + 1, accelerated=accelerated)
     for start in range(0, blocks, 64):
         hashes = [(2**40 + h) * 2654435761 % 2**64 for h in range(start, min(start + 64, blocks))]
         ev = BlockStored(
@@ -313,7 +316,6 @@ def main() -> None:
         "longest chunk ms",
         "total s",
         "C state MB",
-        "RSS growth MB",
     )
     rec = Recorder(10_000_000)
     for b in seed_batches(True, 1500):
@@ -326,14 +328,10 @@ def main() -> None:
         f"{longest * 1e3:.2f}",
         f"{per_block * rec.held:.2f}",
         _c_mb(rec),
-        "",
     )
     del rec
     for blocks in (100_000, args.blocks):
-        gc.collect()
-        before = rss()
         big = big_state(blocks)
-        grown = (rss() - before) / 2**20
         per_block, longest = snapshot_cost(big, 3)
         row(
             f"{blocks:,} blocks",
@@ -342,22 +340,48 @@ def main() -> None:
             f"{longest * 1e3:.2f}",
             f"{per_block * big.held:.2f}",
             _c_mb(big),
-            f"{grown:.0f}",
         )
+        del big
     print()
-    header("refused batches that cancel out", "batches", "held", "RSS growth MB", "C state MB")
+    header(
+        "memory (a fresh process)",
+        "blocks held",
+        "C state MB",
+        "RSS growth MB, events included",
+        "then 100,000 cancelling batches: RSS growth MB",
+    )
+    for accelerated in ("1", "0"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--rss-child", str(args.blocks), accelerated],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        c_mb, grown, refused = json.loads(out.stdout.splitlines()[-1])
+        row(
+            "C state" if accelerated == "1" else "Python dicts",
+            f"{args.blocks:,}",
+            f"{c_mb:.1f}" if c_mb else "",
+            f"{grown:.0f}",
+            f"{refused:.1f}",
+        )
+
+
+def rss_child(blocks: int, accelerated: bool) -> None:
+    """In a fresh process: the RSS a recorder of ``blocks`` held blocks adds (its
+    recorded events included), then what 100,000 batches that cancel out add."""
     gc.collect()
+    before = rss()
+    big = big_state(blocks, accelerated)
+    gc.collect()
+    grown = rss() - before
     before = rss()
     for i in range(100_000):
         big.record(cancelling(i))
     gc.collect()
-    row(
-        f"{args.blocks:,} blocks held",
-        "100,000",
-        f"{big.held:,}",
-        f"{(rss() - before) / 2**20:.1f}",
-        _c_mb(big),
-    )
+    cs = big._cs
+    nbytes = 0 if cs is None else cs.nbytes / 2**20
+    print(json.dumps([nbytes, grown / 2**20, (rss() - before) / 2**20]))
 
 
 def _c_mb(rec: Recorder) -> str:
@@ -367,4 +391,7 @@ def _c_mb(rec: Recorder) -> str:
 
 
 if __name__ == "__main__":
-    run("recorder", __doc__, main)
+    if sys.argv[1:2] == ["--rss-child"]:
+        rss_child(int(sys.argv[2]), sys.argv[3] == "1")
+    else:
+        run("recorder", __doc__, main)
