@@ -36,24 +36,30 @@ kept, or on an event it cannot interpret, the recorder forgets everything and
 a snapshot request gets ``-2`` until the next ``AllBlocksCleared``, after
 which it is exact again.
 
-Memory: per held key one dict entry, its count and source packed in one int
-(a table of ints is not tracked by the cyclic garbage collector, whose
-passes over a large state would otherwise cost the engine's thread); per
-kept source its event (shared, not copied: its hash list is read again for
-the program) and its dependencies.
+Memory, in the C state: per held key one 24-byte slot of a table at most
+half full; per kept source one 88-byte slot, a strong reference to its event
+(shared, not copied) and its hashes as 64-bit keys (8 bytes each, for the
+program); non-u64 hashes and scopes interned while a kept source stores them.
+Batches that cancel out leave it as it was (the table shrinks back once
+under 1/8 full).  In the Python dicts: per held key one dict entry, its count
+and source packed in one int (not tracked by the cyclic garbage collector,
+whose passes over a large state would otherwise cost the engine's thread);
+per kept source a tuple of its event and its dependencies.
 
 :meth:`Recorder.record` keeps the state in C (``coalesce/_crecord.c``) where
 that is built: the same state, its keys in an open-addressing table of
 (scope id, 64-bit hash) -> count and source, its sources in a C array holding
 the recorded events, read at their msgspec slot offsets (checked at import by
-``coalesce/_layout.py``), updated with the GIL released for large batches;
-the program is written from it by a C walk, a chunk per ``next()``.  The
-Python code here is its fallback (not built, ``COALESCE_NO_ACCEL=1``) and the
-tests' oracle (tests/test_recorder.py runs both and compares them).  An event
-the C loop cannot read (a hash that is neither an int, bytes nor str, a field
-of a type it does not take) moves the state into the Python dicts
-(:meth:`Recorder._to_python`, O(state), once), where it stays until the next
-``AllBlocksCleared``.
+``coalesce/_layout.py``), the table updated with the GIL released for calls
+of many hashes or ones that grow or shrink it; the program is written from
+it by a C walk, a chunk per ``next()``, in the same chunks.  The Python code
+here is its fallback (not built, ``COALESCE_NO_ACCEL=1``, or a layout the C
+code would misread) and the tests' oracle (tests/test_recorder.py and
+tests/test_recorder_c.py run both and compare them).  An event the C loop
+cannot read (a hash that is neither an int, bytes nor str, a field of a type
+it does not take, a class whose fields are not slots) moves the state into
+the Python dicts (:meth:`Recorder._to_python`, O(state), once), where it
+stays until the next ``AllBlocksCleared``.
 """
 
 from __future__ import annotations
