@@ -149,6 +149,7 @@ typedef struct {
     ScopeCache cache[NCACHE]; /* the last scopes looked up (cleared with the scopes) */
     int cache_next;
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
+    long long nbatches, nevents;   /* given to record_batch() */
 } State;
 
 static PyTypeObject State_Type;
@@ -251,6 +252,7 @@ static uint32_t held_anywhere(State *st, uint64_t h, uint32_t sk) {
     if (e != NULL) return e->src;
     uint32_t flag = sk & IFLAG;
     for (uint32_t s = 0; s < st->nscopes; s++) {
+        if ((s | flag) == sk) continue; /* (looked at first) */
         e = tab_find(&st->keys, h, s | flag);
         if (e != NULL) return e->src;
     }
@@ -390,6 +392,9 @@ static int apply_ops(State *st) {
             uint64_t h = VEC_AT(&st->hb, uint64_t, p->h0);
             uint32_t sk = p->scope | (VEC_AT(&st->hf, uint8_t, p->h0) ? IFLAG : 0);
             __builtin_prefetch(&st->keys.e[tab_home(&st->keys, h, sk)]);
+            if (p->parent)
+                __builtin_prefetch(
+                    &st->keys.e[tab_home(&st->keys, p->parent_h, p->parent_sk | p->scope)]);
         }
         int ok = op->kind == STORED ? apply_store(st, op) : apply_remove(st, op);
         if (!ok) return 0;
@@ -851,6 +856,41 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromSsize_t(i);
 }
 
+static PyObject *s_events = NULL;
+
+PyDoc_STRVAR(record_batch_doc,
+             "record_batch(batch, max_blocks) -> int\n\n"
+             "record(batch.events, 0, max_blocks) for a batch whose events are a list,\n"
+             "counted in `batches` and `events`: -2 when all were applied within the\n"
+             "budget, -1 when over it, else the index where it stopped (`stopped`);\n"
+             "-3, nothing done nor counted, when the events are not a list.");
+
+static PyObject *State_record_batch(State *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "record_batch(batch, max_blocks)");
+        return NULL;
+    }
+    PyObject *events = PyObject_GetAttr(args[0], s_events);
+    if (events == NULL) return NULL;
+    if (!PyList_CheckExact(events)) {
+        Py_DECREF(events);
+        return PyLong_FromLong(-3);
+    }
+    st->nbatches++;
+    st->nevents += PyList_GET_SIZE(events);
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *call[3] = {events, zero, args[1]};
+    PyObject *r = zero == NULL ? NULL : State_record(st, call, 3);
+    Py_XDECREF(zero);
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    Py_DECREF(events);
+    if (r == NULL) return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(r);
+    Py_DECREF(r);
+    if (i == n) return PyLong_FromLong(-2);
+    return PyLong_FromSsize_t(i);
+}
+
 static PyObject *State_clear(State *st, PyObject *unused) {
     if (!check_free(st)) return NULL;
     forget(st);
@@ -936,6 +976,12 @@ done:
 }
 
 static PyObject *State_stopped(State *st, void *closure) { return PyLong_FromLong(st->stopped); }
+static PyObject *State_batches(State *st, void *closure) {
+    return PyLong_FromLongLong(st->nbatches);
+}
+static PyObject *State_events(State *st, void *closure) {
+    return PyLong_FromLongLong(st->nevents);
+}
 static PyObject *State_held(State *st, void *closure) { return PyLong_FromLongLong(st->pub_held); }
 static PyObject *State_counts(State *st, void *closure) {
     return PyLong_FromLongLong(st->pub_counts);
@@ -1394,6 +1440,7 @@ static void state_init_fields(State *st) {
     memset(&st->cache, 0, sizeof(st->cache));
     st->cache_next = 0;
     st->store_ops = st->store_hashes = 0;
+    st->nbatches = st->nevents = 0;
     publish(st);
 }
 
@@ -1430,6 +1477,8 @@ static void State_dealloc(State *st) {
 
 static PyMethodDef State_methods[] = {
     {"record", (PyCFunction)(void (*)(void))State_record, METH_FASTCALL, record_doc},
+    {"record_batch", (PyCFunction)(void (*)(void))State_record_batch, METH_FASTCALL,
+     record_batch_doc},
     {"clear", (PyCFunction)State_clear, METH_NOARGS, "clear() -> None: forget everything."},
     {"export", (PyCFunction)State_export, METH_NOARGS, export_doc},
     {"walk", (PyCFunction)State_walk, METH_VARARGS, walk_doc},
@@ -1438,6 +1487,8 @@ static PyMethodDef State_methods[] = {
 
 static PyGetSetDef State_getset[] = {
     {"stopped", (getter)State_stopped, NULL, "why the last record() stopped", NULL},
+    {"batches", (getter)State_batches, NULL, "batches given to record_batch()", NULL},
+    {"events", (getter)State_events, NULL, "their events", NULL},
     {"held", (getter)State_held, NULL, "keys held", NULL},
     {"counts", (getter)State_counts, NULL, "the counts' sum", NULL},
     {"kept", (getter)State_kept, NULL, "the kept sources' hashes", NULL},
@@ -1518,6 +1569,8 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__crecord(void) {
+    s_events = PyUnicode_InternFromString("events");
+    if (s_events == NULL) return NULL;
     if (PyType_Ready(&State_Type) < 0 || PyType_Ready(&Walk_Type) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

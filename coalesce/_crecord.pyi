@@ -13,6 +13,9 @@ class State:
     kept: int
     sources: int
     nbytes: int
+    batches: int
+    events: int
+    def record_batch(self, batch: Any, max_blocks: int, /) -> int: ...
     def record(self, events: list[Any], i: int, max_blocks: int = ..., /) -> int: ...
     def clear(self) -> None: ...
     def export(

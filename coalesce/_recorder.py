@@ -143,8 +143,24 @@ class Recorder:
         self.reason = ""
         """Why it is unavailable (empty while valid)."""
         self.invalidations = 0
-        self.batches = 0
-        self.events = 0
+        self._batches = 0  # (and the C state's, counted there on its fast path)
+        self._events = 0
+        self._fast: Any = None
+        """The C state's ``record_batch`` while it holds the state and is exact."""
+        self._sync()
+
+    def _sync(self) -> None:
+        self._fast = self._cs.record_batch if self._cmode and self.valid else None
+
+    @property
+    def batches(self) -> int:
+        """Batches given to :meth:`record`.  O(1)."""
+        return self._batches + (0 if self._cs is None else int(self._cs.batches))
+
+    @property
+    def events(self) -> int:
+        """Their events.  O(1)."""
+        return self._events + (0 if self._cs is None else int(self._cs.events))
 
     @property
     def accelerated(self) -> bool:
@@ -159,27 +175,24 @@ class Recorder:
         While unavailable, only an ``AllBlocksCleared`` is looked for; it
         makes the recorder exact again and the events after it are applied.
         """
-        self.batches += 1
-        if self._cmode and self.valid:  # the usual case: one call into C
+        fast = self._fast
+        if fast is not None:  # the usual case: one call into C, which counts the batch
             try:
-                events = batch.events
-                if type(events) is list:
-                    self.events += len(events)
-                    i = self._cs.record(events, 0, self.max_blocks)
-                    if i == len(events):
-                        return
-                    if i < 0:
-                        self.invalidate(
-                            f"more than snapshot_max_blocks={self.max_blocks} blocks kept"
-                        )
-                        return
-                    self._record_list(events, i)
-                    return
+                i = fast(batch, self.max_blocks)
             except Exception as exc:  # (as below)
                 self.invalidate(
                     f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
                 )
                 return
+            if i == -2:
+                return
+            if i == -1:
+                self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+                return
+            if i >= 0:
+                self._record_list(batch.events, i)
+                return
+        self._batches += 1
         self._record_list(None, 0, batch)
 
     def _record_list(self, events: list[Any] | None, i: int, batch: Any = None) -> None:
@@ -189,7 +202,7 @@ class Recorder:
                 events = batch.events
                 if type(events) is not list:
                     events = list(events)
-                self.events += len(events)
+                self._events += len(events)
             end = len(events)
             while i < end:
                 if self._cmode and self.valid:
@@ -262,6 +275,7 @@ class Recorder:
         self._unused = []
         self._cs.clear()
         self._cmode = False
+        self._sync()
 
     def _record_from(self, events: list[Any], i: int) -> int:
         """Apply ``events[i:]`` in Python; the index after the last applied (the
@@ -272,6 +286,7 @@ class Recorder:
             if kind == CLEARED:
                 self._forget()
                 self.valid, self.reason = True, ""
+                self._sync()
                 if self._cmode:
                     return j + 1
             elif not self.valid:
@@ -313,6 +328,7 @@ class Recorder:
         if self._cs is not None:
             self._cs.clear()
             self._cmode = True
+        self._sync()
 
     def _store(self, ev: Any, src: Any) -> None:
         hashes = ev.block_hashes
