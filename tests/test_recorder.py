@@ -383,7 +383,8 @@ def test_a_walk_closed_early_leaves_it_recording():
 
 
 def _internals(rec: Recorder) -> Any:
-    return rec._live, rec._sources, rec._refs, rec._n, rec.valid
+    """The whole state, source ids renumbered in recorded order, and its counters."""
+    return (*rec.export(), rec.valid, rec.held, rec.retained)
 
 
 @settings(max_examples=300, deadline=None)
@@ -399,7 +400,9 @@ def test_the_c_loop_builds_the_python_loops_state(batches):
         assert [e for ch in c.chunks() for e in ch] == [e for ch in py.chunks() for e in ch]
 
 
-def test_source_ids_are_renumbered_before_they_outgrow_64_bits():
+def test_source_ids_are_renumbered_before_they_outgrow_64_bits(impl):
+    if impl == "c":
+        pytest.skip("the C state reuses source slots: its ids never grow")
     rec = _new()
     rec._n[NEXT] = MAX_ID - 2
     batches = [_batch(_store([i], i - 1 if i > 1 else None)) for i in range(1, 6)]
