@@ -65,6 +65,7 @@ typedef struct {
 
 static TypeInfo g_types[MAX_TYPES];
 static int g_ntypes = 0;
+static CStructState *g_cs; /* the module's state (gil_releases), set at init */
 static const char *const FIELD_NAMES[NF] = {"block_hashes", "parent_block_hash", "token_ids",
                                              "medium", "group_idx", "locality", "ownership"};
 
@@ -728,7 +729,7 @@ static int flush(State *st) {
         int nogil = g_nogil_from >= 0 && (st->hb.n >= (size_t)g_nogil_from || will_grow(st));
         if (nogil) {
             st->busy = 1;
-            cs_gil_releases_count++;
+            g_cs->gil_releases++;
             Py_BEGIN_ALLOW_THREADS
             ok = apply_ops(st);
             if (ok && will_shrink(st)) ok = tab_shrink(&st->keys);
@@ -741,7 +742,7 @@ static int flush(State *st) {
     if (ok && will_shrink(st) && !big_shrink(st)) ok = tab_shrink(&st->keys);
     if (ok && big_shrink(st)) {
         st->busy = 1;
-        cs_gil_releases_count++;
+        g_cs->gil_releases++;
         Py_BEGIN_ALLOW_THREADS
         ok = tab_shrink(&st->keys);
         Py_END_ALLOW_THREADS
@@ -1565,7 +1566,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "coalesce._crecord",
     "The snapshot recorder's state and loop (coalesce/_recorder.py: the semantics and the "
     "oracle).",
-    -1, methods, NULL, NULL, NULL, NULL,
+    sizeof(CStructState), methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__crecord(void) {
@@ -1574,6 +1575,7 @@ PyMODINIT_FUNC PyInit__crecord(void) {
     if (PyType_Ready(&State_Type) < 0 || PyType_Ready(&Walk_Type) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    g_cs = (CStructState *)PyModule_GetState(m);
     if (PyModule_AddObjectRef(m, "State", (PyObject *)&State_Type) < 0 ||
         PyModule_AddObjectRef(m, "Walk", (PyObject *)&Walk_Type) < 0) {
         Py_DECREF(m);
