@@ -151,6 +151,7 @@ typedef struct {
     int cache_next;
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
     long long nbatches, nevents;   /* given to record_batch() */
+    Py_ssize_t at;                 /* the batch record_batches() was at */
 } State;
 
 static PyTypeObject State_Type;
@@ -892,6 +893,42 @@ static PyObject *State_record_batch(State *st, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(i);
 }
 
+PyDoc_STRVAR(record_batches_doc,
+             "record_batches(batches, j, max_blocks) -> (int, int)\n\n"
+             "record_batch() for batches[j:] (a list), in one call: (len(batches), -2)\n"
+             "when every one was applied within the budget, else the index of the first\n"
+             "that was not, and record_batch()'s answer for it.  On an error raises, the\n"
+             "failing batch's index in `at`.");
+
+static PyObject *State_record_batches(State *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "record_batches(batches: list, j: int, max_blocks)");
+        return NULL;
+    }
+    PyObject *batches = args[0];
+    Py_ssize_t j = PyLong_AsSsize_t(args[1]);
+    if (j == -1 && PyErr_Occurred()) return NULL;
+    Py_INCREF(batches);
+    long r = -2;
+    for (; j < PyList_GET_SIZE(batches); j++) {
+        PyObject *call[2] = {PyList_GET_ITEM(batches, j), args[2]};
+        Py_INCREF(call[0]);
+        st->at = j;
+        PyObject *got = State_record_batch(st, call, 2);
+        Py_DECREF(call[0]);
+        if (got == NULL) {
+            Py_DECREF(batches);
+            return NULL;
+        }
+        r = PyLong_AsLong(got);
+        Py_DECREF(got);
+        if (r != -2) break;
+    }
+    if (j >= PyList_GET_SIZE(batches)) r = -2;
+    Py_DECREF(batches);
+    return Py_BuildValue("(nl)", j, r);
+}
+
 static PyObject *State_clear(State *st, PyObject *unused) {
     if (!check_free(st)) return NULL;
     forget(st);
@@ -977,6 +1014,7 @@ done:
 }
 
 static PyObject *State_stopped(State *st, void *closure) { return PyLong_FromLong(st->stopped); }
+static PyObject *State_at(State *st, void *closure) { return PyLong_FromSsize_t(st->at); }
 static PyObject *State_batches(State *st, void *closure) {
     return PyLong_FromLongLong(st->nbatches);
 }
@@ -1442,6 +1480,7 @@ static void state_init_fields(State *st) {
     st->cache_next = 0;
     st->store_ops = st->store_hashes = 0;
     st->nbatches = st->nevents = 0;
+    st->at = 0;
     publish(st);
 }
 
@@ -1480,6 +1519,8 @@ static PyMethodDef State_methods[] = {
     {"record", (PyCFunction)(void (*)(void))State_record, METH_FASTCALL, record_doc},
     {"record_batch", (PyCFunction)(void (*)(void))State_record_batch, METH_FASTCALL,
      record_batch_doc},
+    {"record_batches", (PyCFunction)(void (*)(void))State_record_batches, METH_FASTCALL,
+     record_batches_doc},
     {"clear", (PyCFunction)State_clear, METH_NOARGS, "clear() -> None: forget everything."},
     {"export", (PyCFunction)State_export, METH_NOARGS, export_doc},
     {"walk", (PyCFunction)State_walk, METH_VARARGS, walk_doc},
@@ -1489,6 +1530,7 @@ static PyMethodDef State_methods[] = {
 static PyGetSetDef State_getset[] = {
     {"stopped", (getter)State_stopped, NULL, "why the last record() stopped", NULL},
     {"batches", (getter)State_batches, NULL, "batches given to record_batch()", NULL},
+    {"at", (getter)State_at, NULL, "the batch record_batches() was at", NULL},
     {"events", (getter)State_events, NULL, "their events", NULL},
     {"held", (getter)State_held, NULL, "keys held", NULL},
     {"counts", (getter)State_counts, NULL, "the counts' sum", NULL},
