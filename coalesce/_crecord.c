@@ -44,9 +44,11 @@
 #include <string.h>
 
 #include "_cstruct.h"
+#include "_kinds.h"
 #include "_cr_table.h"
 
-enum { STORED = 0, REMOVED = 1, CLEARED = 2, MOVED = 3, OTHER = 4, UNREADABLE = 5 };
+/* Event kinds are _kinds.h's; UNREADABLE marks a registered class the loop cannot read. */
+enum { UNREADABLE = K_MOVED + 1 };
 enum { STOP_DONE = 0, STOP_UNKNOWN = 1, STOP_MOVE = 2, STOP_PYTHON = 3 };
 enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP, NF };
 
@@ -108,7 +110,7 @@ static void cache_clear(ScopeCache *c) {
 
 /* One event read under the GIL, applied later. */
 typedef struct {
-    int kind; /* STORED or REMOVED */
+    int kind; /* K_STORED or K_REMOVED */
     uint32_t scope;
     PyObject *ev; /* a store's: a new reference, handed to its source */
     size_t h0;
@@ -398,7 +400,7 @@ static int apply_ops(State *st) {
                 __builtin_prefetch(
                     &st->keys.e[tab_home(&st->keys, p->parent_h, p->parent_sk | p->scope)]);
         }
-        int ok = op->kind == STORED ? apply_store(st, op) : apply_remove(st, op);
+        int ok = op->kind == K_STORED ? apply_store(st, op) : apply_remove(st, op);
         if (!ok) return 0;
     }
     return 1;
@@ -638,7 +640,7 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     if (n == 0) return 1; /* a store of none, a removal of none: nothing */
     if (n >= (Py_ssize_t)1 << 31) return 0;
-    int store = ti->kind == STORED;
+    int store = ti->kind == K_STORED;
     Op op;
     memset(&op, 0, sizeof(op));
     op.kind = ti->kind;
@@ -797,7 +799,7 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
         /* the objects the loop reads, fetched ahead: an event, then its lists, then
          * its first hash (only for events of the class of this one) */
         if (i + 3 * AHEAD < nev) __builtin_prefetch(PyList_GET_ITEM(events, i + 3 * AHEAD));
-        if (ti != NULL && (ti->kind == STORED || ti->kind == REMOVED)) {
+        if (ti != NULL && (ti->kind == K_STORED || ti->kind == K_REMOVED)) {
             if (i + 2 * AHEAD < nev) {
                 PyObject *ahead = PyList_GET_ITEM(events, i + 2 * AHEAD);
                 if (Py_TYPE(ahead) == ti->type) {
@@ -823,12 +825,12 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
             st->stopped = STOP_UNKNOWN;
             break;
         }
-        if (ti->kind == OTHER) continue;
-        if (ti->kind == MOVED) {
+        if (ti->kind == K_OPAQUE) continue;
+        if (ti->kind == K_MOVED) {
             st->stopped = STOP_MOVE;
             break;
         }
-        if (ti->kind == CLEARED) {
+        if (ti->kind == K_CLEARED) {
             if (!flush(st)) {
                 failed = 1;
                 break;
@@ -1569,10 +1571,10 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
     if (g_ntypes >= MAX_TYPES) Py_RETURN_FALSE;
     TypeInfo ti;
     memset(&ti, 0, sizeof(ti));
-    ti.kind = kind < 0 || kind > UNREADABLE ? OTHER : kind;
+    ti.kind = kind < 0 || kind > UNREADABLE ? K_OPAQUE : kind;
     for (int f = 0; f < NF; f++) {
         ti.off[f] = -1;
-        if (ti.kind != STORED && ti.kind != REMOVED) continue;
+        if (ti.kind != K_STORED && ti.kind != K_REMOVED) continue;
         PyObject *name = PyUnicode_InternFromString(FIELD_NAMES[f]);
         if (name == NULL) return NULL;
         int has = PyObject_HasAttr(cls, name);
@@ -1580,8 +1582,8 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
         Py_DECREF(name);
         if (has && ti.off[f] < 0) ti.kind = UNREADABLE; /* a field, but not a slot */
     }
-    if (ti.kind == STORED && (ti.off[F_HASHES] < 0 || ti.off[F_PARENT] < 0)) ti.kind = UNREADABLE;
-    if (ti.kind == REMOVED && ti.off[F_HASHES] < 0) ti.kind = UNREADABLE;
+    if (ti.kind == K_STORED && (ti.off[F_HASHES] < 0 || ti.off[F_PARENT] < 0)) ti.kind = UNREADABLE;
+    if (ti.kind == K_REMOVED && ti.off[F_HASHES] < 0) ti.kind = UNREADABLE;
     Py_INCREF(tp);
     ti.type = tp;
     g_types[g_ntypes++] = ti;

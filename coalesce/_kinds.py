@@ -18,6 +18,7 @@ import msgspec
 
 __all__ = [
     "CLEARED",
+    "MOVED",
     "OPAQUE",
     "REMOVED",
     "STORED",
@@ -28,8 +29,10 @@ __all__ = [
     "is_kv_batch",
 ]
 
-OPAQUE, STORED, REMOVED, CLEARED = 0, 1, 2, 3
-"""Event kinds returned by :func:`event_kind`."""
+OPAQUE, STORED, REMOVED, CLEARED, MOVED = 0, 1, 2, 3, 4
+"""Event kinds: :func:`event_kind` returns the first four (a ``BlockMoved``, which this
+library emits and never compacts, is ``OPAQUE`` to the compactor); the recorder
+applies ``MOVED`` too (coalesce/_kinds.h holds the same numbers for C)."""
 
 _STORED_REQUIRED = frozenset(
     {"block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"}

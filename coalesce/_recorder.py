@@ -70,6 +70,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
+from coalesce._kinds import CLEARED, MOVED, OPAQUE, REMOVED, STORED
 from coalesce._layout import load_accelerator
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 
@@ -103,8 +104,8 @@ dependants) is counted apart, in an int-to-int dict."""
 NEXT, HELD, COUNTS, KEPT = range(4)
 """The next source id, keys held, the counts' sum, the kept sources' hashes."""
 
-STORED, REMOVED, CLEARED, MOVED, OTHER = range(5)
-"""Event kinds, by wire tag (OTHER: ignored, as the subscriber models do)."""
+OTHER = OPAQUE
+"""An event the recorder ignores, as the subscriber models do (kinds: coalesce/_kinds)."""
 STOP_UNKNOWN, STOP_MOVE, STOP_PYTHON = 1, 2, 3
 """Why the C loop stopped before the end of a list (``State.stopped``): a class it
 has not been told about, a move, an event it cannot read."""

@@ -11,16 +11,15 @@ from pathlib import Path
 from coalesce import _kinds
 
 PACKAGE = Path(_kinds.__file__).parent
-KINDS = ("OPAQUE", "STORED", "REMOVED", "CLEARED")
-_NAME = re.compile(r"^(K_)?(OPAQUE|STORED|REMOVED|CLEARED)$")
+KINDS = ("OPAQUE", "STORED", "REMOVED", "CLEARED", "MOVED")
+_NAME = re.compile(r"^(K_)?(OPAQUE|STORED|REMOVED|CLEARED|MOVED)$")
 _C_DEF = re.compile(
-    r"\b(?:K_)?(?:OPAQUE|STORED|REMOVED|CLEARED)\s*=\s*-?\d"  # an enum member
-    r"|#\s*define\s+(?:K_)?(?:OPAQUE|STORED|REMOVED|CLEARED)\s"
+    r"\b(?:K_)?(?:OPAQUE|STORED|REMOVED|CLEARED|MOVED)\s*=\s*-?\d"  # an enum member
+    r"|#\s*define\s+(?:K_)?(?:OPAQUE|STORED|REMOVED|CLEARED|MOVED)\s"
 )
 
-KNOWN_SECOND_DEFINITIONS = {"_recorder.py", "_crecord.c"}
-"""Files that still number the kinds their own way (STORED=0 ...): until the
-recorder rewrite lands, which switches them to _kinds; then this set empties."""
+KNOWN_SECOND_DEFINITIONS: set[str] = set()
+"""Files that number the kinds their own way: none (the recorder takes _kinds')."""
 
 
 def _header_kinds() -> dict[str, int]:

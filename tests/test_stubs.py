@@ -28,9 +28,9 @@ ARITY = re.compile(r"takes|given\)")
 """How the C words a wrong number of arguments (PyArg_ParseTuple, METH_O,
 METH_NOARGS and the modules' own FASTCALL checks)."""
 
-ARITY_UNWORDED = {("_crecord", "collect")}
+ARITY_UNWORDED: set[tuple[str, str]] = set()
 """Functions whose wrong arity raises a TypeError that names the types instead:
-only a TypeError is asked of them (_crecord.c, until the recorder rewrite lands)."""
+only a TypeError is asked of them (none now)."""
 
 _KINDS = {
     "posonlyargs": inspect.Parameter.POSITIONAL_ONLY,
