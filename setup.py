@@ -20,7 +20,12 @@ setup(
         Extension(
             f"coalesce.{name}",
             [f"coalesce/{name}.c"],
-            depends=["coalesce/_cstruct.h", "coalesce/_kinds.h", *_PARTS.get(name, ())],
+            depends=[
+                "coalesce/_cstruct.h",
+                "coalesce/_kinds.h",
+                "coalesce/_cmix.h",
+                *_PARTS.get(name, ()),
+            ],
             optional=True,
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )

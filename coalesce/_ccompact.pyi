@@ -6,37 +6,24 @@ from typing import Any, final
 class GroupResult(tuple[Any, ...]):
     """compact_events()'s result: the events, then the rule counts by name."""
 
-    @property
-    def events(self) -> list[Any]: ...
-    @property
-    def superseded(self) -> int: ...
-    @property
-    def cancelled(self) -> int: ...
-    @property
-    def merged(self) -> int: ...
+    events: list[Any]
+    superseded: int
+    cancelled: int
+    merged: int
 
 @final
 class WindowResult(tuple[Any, ...]):
     """compact_window()'s result: the batches, then the report's counts by name."""
 
-    @property
-    def batches(self) -> list[Any]: ...
-    @property
-    def batches_in(self) -> int: ...
-    @property
-    def batches_out(self) -> int: ...
-    @property
-    def events_in(self) -> int: ...
-    @property
-    def events_out(self) -> int: ...
-    @property
-    def folded(self) -> int: ...
-    @property
-    def superseded(self) -> int: ...
-    @property
-    def cancelled(self) -> int: ...
-    @property
-    def merged(self) -> int: ...
+    batches: list[Any]
+    batches_in: int
+    batches_out: int
+    events_in: int
+    events_out: int
+    folded: int
+    superseded: int
+    cancelled: int
+    merged: int
 
 def register(cls: type, kind: int, fields: tuple[str, ...], /) -> bool: ...
 def all_known(events: list[Any], /) -> bool | None: ...

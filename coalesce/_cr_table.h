@@ -11,6 +11,7 @@
 #define COALESCE_CR_TABLE_H
 
 #include <stdint.h>
+#include "_cmix.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,17 +31,9 @@ typedef struct {
     size_t cap, n; /* cap: a power of 2, or 0 */
 } Tab;
 
-static inline uint64_t cr_mix(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
 
 static inline size_t tab_home(const Tab *t, uint64_t h, uint32_t sk) {
-    return (size_t)cr_mix(h ^ ((uint64_t)sk * 0x9e3779b97f4a7c15ULL)) & (t->cap - 1);
+    return (size_t)mix64(h ^ ((uint64_t)sk * 0x9e3779b97f4a7c15ULL)) & (t->cap - 1);
 }
 
 static inline Ent *tab_find(const Tab *t, uint64_t h, uint32_t sk) {

@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include "_cmix.h"
 
 /* The field at slot offset `off` of a struct (NULL when unset). */
 #define FIELD(ev, off) (*(PyObject **)((char *)(ev) + (off)))
@@ -27,14 +28,6 @@ static inline Py_ssize_t member_offset(PyTypeObject *tp, PyObject *name) {
     return off;
 }
 
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
 
 /* An exact int in [0, 2**64) as a uint64; 0 if it is not one.  On CPython
  * before 3.12 the digits are read directly (PyLong_AsUnsignedLongLong takes a

@@ -129,14 +129,13 @@ def test_the_stub_result_classes_have_the_fields(name: str) -> None:
         if not isinstance(node, ast.ClassDef):
             continue
         cls = getattr(mod, cls_name)
-        props = [
-            f.name
-            for f in node.body
-            if isinstance(f, ast.FunctionDef)
-            and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
-        ]
         if hasattr(cls, "__match_args__"):  # a result class (structseq): its fields, in order
-            assert props == list(cls.__match_args__), cls_name
+            named = [
+                f.target.id
+                for f in node.body
+                if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+            ]
+            assert named == list(cls.__match_args__), cls_name
             continue
         members = [  # a class of objects: each method and attribute the stub names
             f.target.id
