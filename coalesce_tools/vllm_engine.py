@@ -451,6 +451,11 @@ class VllmEngine:
             ),
         )
 
+    @property
+    def added(self) -> int:
+        """Requests added to the scheduler so far."""
+        return self._added
+
     def busy(self) -> bool:
         """Requests left to add or to finish, or transfers in flight."""
         return (
