@@ -301,7 +301,8 @@ class VllmEngine:
 
     ``endpoint``, ``replay_endpoint``, ``max_queue_size``, ``buffer_steps``, ``hwm`` and
     ``topic`` go into vLLM's ``KVEventsConfig`` (``publisher="zmq"``): build the engine
-    inside :func:`use_publisher` to choose whose publisher that is.  ``dp_index`` is
+    inside :func:`use_publisher` to choose whose publisher that is (``publisher="null"``:
+    vLLM's ``NullEventPublisher``, for a run that only records).  ``dp_index`` is
     the scheduler's ``data_parallel_index`` (the publisher's rank and endpoint offset).
     """
 
@@ -316,6 +317,8 @@ class VllmEngine:
         hwm: int = 100_000,
         topic: str = "",
         dp_index: int = 0,
+        record: bool = False,
+        publisher: str = "zmq",
     ) -> None:
         global _hash_ready
         if not _hash_ready:
@@ -324,7 +327,7 @@ class VllmEngine:
         self.cfg = cfg
         kv_events = KVEventsConfig(
             enable_kv_cache_events=True,
-            publisher="zmq",
+            publisher=publisher,
             endpoint=endpoint,
             replay_endpoint=replay_endpoint,
             max_queue_size=max_queue_size,
@@ -357,6 +360,9 @@ class VllmEngine:
         self.steps = 0
         self.step_seconds: list[float] = []
         self.publish_seconds: list[float] = []
+        self.batches: list[Any] | None = [] if record else None
+        """With ``record``: every batch the scheduler published, in order (the objects
+        themselves: the publisher may have set their rank)."""
         self._in_flight: deque[_Transfer] = deque()
         self._rng = random.Random(cfg.seed)
         vocab = int(_TINY_LLAMA["vocab_size"])  # type: ignore[call-overload]
@@ -394,8 +400,11 @@ class VllmEngine:
         pub = self.publisher
         inner = pub.publish
         times = self.publish_seconds
+        kept = self.batches
 
         def publish(batch: Any) -> Any:
+            if kept is not None:
+                kept.append(batch)
             t0 = time.perf_counter()
             try:
                 return inner(batch)
