@@ -360,6 +360,9 @@ class VllmEngine:
         self.steps = 0
         self.step_seconds: list[float] = []
         self.publish_seconds: list[float] = []
+        self.found_full = 0
+        """``publish()`` calls that found a bounded ``queue.Queue`` publisher's queue full
+        (vLLM's own publisher then blocks until its sender takes one: the seed's hang)."""
         self.batches: list[Any] | None = [] if record else None
         """With ``record``: every batch the scheduler published, in order (the objects
         themselves: the publisher may have set their rank)."""
@@ -401,10 +404,13 @@ class VllmEngine:
         inner = pub.publish
         times = self.publish_seconds
         kept = self.batches
+        bounded = getattr(pub, "_event_queue", None)  # vLLM's publisher and its drop variant
 
         def publish(batch: Any) -> Any:
             if kept is not None:
                 kept.append(batch)
+            if bounded is not None and bounded.full():
+                self.found_full += 1
             t0 = time.perf_counter()
             try:
                 return inner(batch)
