@@ -44,29 +44,16 @@ from bench_compact import alternate
 from coalesce import compactor
 from coalesce.testing import without_accelerator
 from coalesce_tools.results import header, recording, row
-from coalesce_tools.vllm_engine import EngineConfig, VllmEngine
+from coalesce_tools.vllm_engine import VllmEngine, seed_like
 
 WINDOWS = (1, 2, 4, 8, 16, 32, 64)
 COST_WINDOWS = (1, 4, 16, 64)
-SEED_LIKE = EngineConfig(
-    requests=512,
-    concurrency=128,
-    prefixes=16,
-    prefix_tokens=2048,
-    unique_tokens=40,
-    max_tokens=8,
-    gpu_blocks=1500,
-    cpu_blocks=2000,
-    max_num_seqs=128,
-    max_num_batched_tokens=4096,
-)
-
 Window = list[Any]
 
 
 def record(offload: str) -> tuple[list[Any], dict[str, Any]]:
     """One seeded run of vLLM's scheduler: its published batches, and the run's shape."""
-    cfg = EngineConfig(**{**SEED_LIKE.as_dict(), "offload": offload})
+    cfg = seed_like(offload)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     eng = VllmEngine(cfg, "inproc://bench-realstream", record=True, publisher="null")
     eng.run()

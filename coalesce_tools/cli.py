@@ -138,23 +138,9 @@ def _scheduler_demo(args: argparse.Namespace) -> int:
     """``--scheduler``: the rows on vLLM's own scheduler (coalesce_tools.demo_vllm); 0
     when coalesce's rows end exact against the engine's pools."""
     from coalesce_tools.demo_vllm import run_scheduler_demo
-    from coalesce_tools.vllm_engine import EngineConfig
+    from coalesce_tools.vllm_engine import seed_like
 
-    cfg = replace(
-        EngineConfig(
-            requests=512,
-            concurrency=128,
-            prefixes=16,
-            prefix_tokens=2048,
-            unique_tokens=40,
-            max_tokens=8,
-            gpu_blocks=1500,
-            cpu_blocks=2000,
-            max_num_seqs=128,
-            max_num_batched_tokens=4096,
-        ),
-        offload=args.offload,
-    )
+    cfg = seed_like(args.offload)
     rows = run_scheduler_demo(
         cfg,
         ranks=args.ranks,

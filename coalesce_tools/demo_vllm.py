@@ -284,21 +284,10 @@ def run_scheduler_demo(
     outdir: str | None = "results",
 ) -> list[RowResult]:
     """Run every row on vLLM's scheduler; print the table; write ``demo-vllm.json``."""
-    from coalesce_tools.vllm_engine import EngineConfig
+    from coalesce_tools.vllm_engine import seed_like
 
     if cfg is None:
-        cfg = EngineConfig(
-            requests=512,
-            concurrency=128,
-            prefixes=16,
-            prefix_tokens=2048,
-            unique_tokens=40,
-            max_tokens=8,
-            gpu_blocks=1500,
-            cpu_blocks=2000,
-            max_num_seqs=128,
-            max_num_batched_tokens=4096,
-        )
+        cfg = seed_like()
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(ranks) if lockstep and ranks > 1 else None
     flags = ctx.Array("b", ranks)

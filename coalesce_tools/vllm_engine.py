@@ -102,6 +102,7 @@ __all__ = [
     "Key",
     "VllmEngine",
     "pool_state",
+    "seed_like",
     "use_publisher",
 ]
 
@@ -171,6 +172,25 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def seed_like(offload: Offload = "eager") -> EngineConfig:
+    """The seed's shape at this host's scale (the demo's and the benchmarks' workload):
+    512 requests, 128 in flight, on 16 shared 2,048-token prefixes, a 1,500-block GPU
+    pool and a 2,000-block CPU pool, 4,096 tokens a step.  A run takes 2-5 s here."""
+    return EngineConfig(
+        offload=offload,
+        requests=512,
+        concurrency=128,
+        prefixes=16,
+        prefix_tokens=2048,
+        unique_tokens=40,
+        max_tokens=8,
+        gpu_blocks=1500,
+        cpu_blocks=2000,
+        max_num_seqs=128,
+        max_num_batched_tokens=4096,
+    )
 
 
 @contextmanager
