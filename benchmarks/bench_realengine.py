@@ -4,7 +4,10 @@ One rank of vLLM 0.33's real scheduler, KV cache manager and eager CPU offload
 manager (``coalesce_tools.vllm_engine``, the seed-like workload of the demo)
 steps to the end of its workload with, in turn: vLLM's ``NullEventPublisher``
 (the engine alone), vLLM's ``ZmqEventPublisher`` (stock), coalesce (the plugin)
-and coalesce with snapshots on.  Each publisher sends over tcp loopback to a SUB
+and coalesce with snapshots on, first with a pure-CPU loop, then with a fake
+forward pass of 10 ms a step that releases the GIL (``EngineConfig.gpu_ms``:
+what the engine thread does on a GPU, and the time vLLM's sender thread runs
+in).  Each publisher sends over tcp loopback to a SUB
 in another process that reads everything (RCVHWM 0).  The rows run in
 alternated order for ``--rounds`` rounds, in one process (vLLM imported once,
 warmed up); the table gives medians of the engine loop's wall time (to the
@@ -37,10 +40,10 @@ from coalesce_tools.results import header, recording, row
 ROWS = ("null", "stock", "coalesce", "coalesce+snap")
 
 
-def one(kind: str) -> dict[str, float]:
+def one(kind: str, gpu_ms: float) -> dict[str, float]:
     from coalesce_tools.vllm_engine import VllmEngine, seed_like, use_publisher
 
-    cfg = seed_like("eager")
+    cfg = seed_like("eager", gpu_ms)
     port = _port()
     reader = None
     if kind == "null":
@@ -87,13 +90,28 @@ def main(figures: dict[str, Any]) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--gpu-ms",
+        type=float,
+        action="append",
+        help="the fake forward pass per step, GIL released (default: 0 and 10)",
+    )
     args = ap.parse_args()
     VllmEngine(EngineConfig(requests=16), "inproc://warm", publisher="null").run()
+    for gpu_ms in args.gpu_ms or [0.0, 10.0]:
+        figures[f"gpu_ms={gpu_ms:g}"] = table(args.rounds, gpu_ms)
+
+
+def table(rounds: int, gpu_ms: float) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
     samples: dict[str, list[dict[str, float]]] = {k: [] for k in ROWS}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for kind in ROWS if r % 2 == 0 else tuple(reversed(ROWS)):
-            samples[kind].append(one(kind))
-    print(f"# vLLM's scheduler, eager offload, one rank; medians of {args.rounds} rounds\n")
+            samples[kind].append(one(kind, gpu_ms))
+    print(
+        f"\n# vLLM's scheduler, eager offload, one rank, a {gpu_ms:g} ms forward pass a "
+        f"step; medians of {rounds} rounds\n"
+    )
     header(
         "publisher",
         "engine loop s",
@@ -125,6 +143,7 @@ def main(figures: dict[str, Any]) -> None:
     figures["medians"] = med
     figures["fastest_loop_s"] = best
     figures["samples"] = samples
+    return figures
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def demo_main(argv: Sequence[str]) -> int:
         "--scheduler",
         action="store_true",
         help="vLLM's own scheduler, KV cache manager and CPU offload manager as the producer "
-        "(needs vllm==0.33.0: make demo-vllm); uses --ranks, --queue, --lockstep, --only, --out",
+        "(needs vllm==0.33.0: make demo-vllm); uses --ranks, --queue, --lockstep, --only, --out, "
+        "and --gpu-us as the fake forward pass of each step (GIL released)",
     )
     d.add_argument(
         "--offload",
@@ -140,7 +141,7 @@ def _scheduler_demo(args: argparse.Namespace) -> int:
     from coalesce_tools.demo_vllm import run_scheduler_demo
     from coalesce_tools.vllm_engine import seed_like
 
-    cfg = seed_like(args.offload)
+    cfg = seed_like(args.offload, gpu_ms=args.step_gpu_us / 1e3)  # --gpu-us: the forward
     rows = run_scheduler_demo(
         cfg,
         ranks=args.ranks,

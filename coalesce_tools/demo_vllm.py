@@ -28,6 +28,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import socket
 import statistics
 import time
@@ -89,7 +90,21 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _rank_main(rank: int, tasks: Any, results: Any, barrier: Any, flags: Any) -> None:
-    """A DP rank: for each task (a row), build the engine, run it, report, wait, shut down."""
+    """A DP rank: for each task (a row), build the engine, run it, report, wait, shut down.
+    An error is reported to the parent (with its traceback) and breaks the barrier, so
+    that the other ranks stop at once instead of waiting it out."""
+    try:
+        _rank_loop(rank, tasks, results, barrier, flags)
+    except BaseException:
+        import traceback
+
+        results.put({"rank": rank, "error": traceback.format_exc()})
+        if barrier is not None:
+            barrier.abort()
+        raise
+
+
+def _rank_loop(rank: int, tasks: Any, results: Any, barrier: Any, flags: Any) -> None:
     from coalesce_tools.vllm_engine import EngineConfig, VllmEngine, use_publisher
 
     # warm-up: vLLM's first steps in a process run code paths for the first time
@@ -114,6 +129,7 @@ def _rank_main(rank: int, tasks: Any, results: Any, barrier: Any, flags: Any) ->
                 dp_index=rank,
             )
         pub = eng.publisher
+        probes = _until_heard(pub, tasks)
         t0 = time.perf_counter()
         step_s: list[float] = []
         busy = True
@@ -138,7 +154,7 @@ def _rank_main(rank: int, tasks: Any, results: Any, barrier: Any, flags: Any) ->
             while pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
                 time.sleep(0.01)
             dropped = int(getattr(pub, "dropped", 0))
-            messages = len(eng.publish_seconds) - dropped
+            messages = probes + len(eng.publish_seconds) - dropped
         truth = eng.truth()
         results.put(
             {
@@ -156,6 +172,26 @@ def _rank_main(rank: int, tasks: Any, results: Any, barrier: Any, flags: Any) ->
         )
         tasks.get(timeout=_WAIT_S)  # the subscriber is done with replay and snapshots
         eng.shutdown()
+
+
+def _until_heard(pub: Any, tasks: Any) -> int:
+    """Publish empty batches (not timed, not the scheduler's) until the parent says the
+    subscriber heard this rank: a PUB drops what is sent before a SUB's subscription
+    arrives, and a subscriber that never hears a rank cannot ask it for a replay.  The
+    probes are ordinary empty batches, seq 0 onwards; how many were published."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    deadline = time.monotonic() + _WAIT_S
+    n = 0
+    while time.monotonic() < deadline:
+        type(pub).publish(pub, KVEventBatch(ts=time.time(), events=[]))
+        n += 1
+        try:
+            if tasks.get(timeout=0.02) == "go":
+                return n
+        except queue_mod.Empty:
+            pass
+    raise RuntimeError("the subscriber never heard this rank")
 
 
 def _key(k: Any) -> tuple[Any, Any, Any]:
@@ -187,12 +223,21 @@ def run_row(
     sub = Subscriber(eps, reps, mode="refcount", snapshot_endpoints=snaps, rcvhwm=0)
     for q in tasks:
         q.put((kind, cfg.as_dict(), ports, queue))
+    heard_by = time.monotonic() + _WAIT_S
+    while not all(src.messages for src in sub.sources):
+        sub.poll(0.02)
+        if time.monotonic() > heard_by or not all(p.is_alive() for p in procs):
+            raise RuntimeError("the subscriber did not hear every rank")
+    for q in tasks:
+        q.put("go")
     got: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + 600
     while len(got) < ranks:
         sub.poll(0.02)
         while not results.empty():
             r = results.get()
+            if "error" in r:
+                raise RuntimeError(f"rank {r['rank']} failed:\n{r['error']}")
             got[r["rank"]] = r
         if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
             raise RuntimeError("a rank process died, or the engines did not finish in 600 s")
@@ -200,7 +245,10 @@ def run_row(
     deadline = time.monotonic() + _WAIT_S
     while time.monotonic() < deadline:
         sub.poll(0.05)
-        if all((src.last_seq or -1) >= got[r]["messages"] - 1 for r, src in enumerate(sub.sources)):
+        if all(
+            (-1 if src.last_seq is None else src.last_seq) >= got[r]["messages"] - 1
+            for r, src in enumerate(sub.sources)
+        ):
             break
     sub.poll(0.2)
     for q in tasks:
@@ -305,7 +353,8 @@ def run_scheduler_demo(
         f"max_queue_size {queue}, lockstep {'on' if barrier is not None else 'off'}\n"
         f"# workload: {cfg.requests} requests, {cfg.concurrency} in flight, {cfg.prefixes} "
         f"shared prefixes of {cfg.prefix_tokens} tokens; GPU {cfg.gpu_blocks} blocks, "
-        f"CPU {cfg.cpu_blocks}; store completes {cfg.store_latency} step(s) after issue",
+        f"CPU {cfg.cpu_blocks}; store completes {cfg.store_latency} step(s) after issue; "
+        f"a {cfg.gpu_ms:g} ms forward pass a step (GIL released)",
         flush=True,
     )
     out: list[RowResult] = []

@@ -161,12 +161,16 @@ class EngineConfig:
     reported back (0: in the same step's output)."""
     load_latency: int = 1
     """The same for a load from the CPU pool."""
+    gpu_ms: float = 0.0
+    """The fake forward pass: each step sleeps this long with the GIL released, between
+    ``schedule()`` and ``update_from_output()``, as the engine thread waits on the GPU
+    (0: a pure-CPU loop, which leaves a sender thread only the 5 ms switch interval)."""
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
-        if self.store_latency < 0 or self.load_latency < 0:
-            raise ValueError("latencies are steps >= 0")
+        if self.store_latency < 0 or self.load_latency < 0 or self.gpu_ms < 0:
+            raise ValueError("latencies are steps >= 0, gpu_ms >= 0")
         if min(self.requests, self.concurrency, self.prefixes, self.max_tokens) < 1:
             raise ValueError("requests, concurrency, prefixes and max_tokens must be >= 1")
 
@@ -174,7 +178,7 @@ class EngineConfig:
         return asdict(self)
 
 
-def seed_like(offload: Offload = "eager") -> EngineConfig:
+def seed_like(offload: Offload = "eager", gpu_ms: float = 0.0) -> EngineConfig:
     """The seed's shape at this host's scale (the demo's and the benchmarks' workload):
     512 requests, 128 in flight, on 16 shared 2,048-token prefixes, a 1,500-block GPU
     pool and a 2,000-block CPU pool, 4,096 tokens a step.  A run takes 2-5 s here."""
@@ -190,6 +194,7 @@ def seed_like(offload: Offload = "eager") -> EngineConfig:
         cpu_blocks=2000,
         max_num_seqs=128,
         max_num_batched_tokens=4096,
+        gpu_ms=gpu_ms,
     )
 
 
@@ -505,6 +510,8 @@ class VllmEngine:
         t0 = time.perf_counter()
         self._top_up()
         out = self.scheduler.schedule()
+        if self.cfg.gpu_ms:
+            time.sleep(self.cfg.gpu_ms / 1e3)  # the forward pass: the GIL released
         self.scheduler.update_from_output(out, self._runner_output(out))
         self.steps += 1
         dt = time.perf_counter() - t0
