@@ -236,6 +236,47 @@ def test_dynamos_parent_rule_ends_as_on_stock_and_loses_only_cpu_blocks(rules):
     print(f"Dynamo's rule on vLLM's eager stream: {len(lost)} CPU blocks never indexed")
 
 
+@pytest.mark.parametrize("reset_connector", [False, True])
+def test_vllms_reset_prefix_cache_and_the_cpu_tier(reset_connector):
+    """vLLM's finding, kept as a test so that a change upstream shows: after a run with
+    eager offload, ``Scheduler.reset_prefix_cache()`` with ``reset_connector=False``
+    (the default of ``LLM.reset_prefix_cache()`` and of ``POST /reset_prefix_cache``
+    without ``reset_external=true``) empties the GPU pool only, but publishes an
+    ``AllBlocksCleared`` with no medium, which every consumer applies to every tier
+    (llm-d clears the pod, Dynamo the worker): the CPU pool keeps its blocks and the
+    consumers forget them.  With ``reset_connector=True`` both pools empty and both
+    agree.  Compacted, the stream ends the same in every model."""
+    from coalesce import compactor
+
+    eng = VllmEngine(
+        EngineConfig(**{**CONFIG.as_dict(), "requests": 60}),
+        inproc("reset"),
+        record=True,
+        publisher="null",
+    )
+    try:
+        eng.run()
+        assert eng.scheduler.reset_prefix_cache(reset_connector=reset_connector)
+        eng.step()  # the step that publishes what the reset emitted
+        pools = by_medium(eng.truth())
+        batches = list(eng.batches or [])
+    finally:
+        eng.shutdown()
+    assert isinstance(batches[-1].events[0], vk.AllBlocksCleared)
+    assert "GPU" not in pools
+    held = SubscriberModel("llmd").apply_batches(batches).state()
+    assert held == {}, "every tier forgotten"
+    if reset_connector:
+        assert pools == {}, "both pools empty: stream and pools agree"
+    else:
+        assert len(pools["CPU"]) > 100, "the CPU pool kept its blocks: the consumers do not"
+    for mode in ("refcount", "llmd", "dynamo"):
+        out, _ = compactor.compact(batches[-40:])
+        want = SubscriberModel(mode).apply_batches(batches).state()
+        got = SubscriberModel(mode).apply_batches(batches[:-40] + out).state()
+        assert got == want, mode
+
+
 def test_the_recorded_stream_is_vllms():
     """The stream the Dynamo tier replays (no vLLM there) decodes with vLLM's types,
     and its refcount and llm-d models end with the pools recorded with it."""
