@@ -11,6 +11,7 @@ from setuptools import Extension, setup
 
 _PARTS = {
     "_ccompact": [f"coalesce/_cc_{part}.h" for part in ("ids", "read", "rules", "build")],
+    "_crecord": ["coalesce/_cr_table.h"],
 }
 """The parts a module's .c file includes (one translation unit)."""
 
@@ -19,7 +20,7 @@ setup(
         Extension(
             f"coalesce.{name}",
             [f"coalesce/{name}.c"],
-            depends=["coalesce/_cstruct.h", *_PARTS.get(name, ())],
+            depends=["coalesce/_cstruct.h", "coalesce/_kinds.h", *_PARTS.get(name, ())],
             optional=True,
             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )

@@ -39,7 +39,6 @@ from bench_publish import make_batch
 
 from coalesce import compactor
 from coalesce.events import KVEventBatch
-from coalesce.testing import without_accelerator
 from coalesce_tools.results import header, row, run
 from coalesce_tools.workload import Engine, WorkloadConfig
 
@@ -98,8 +97,7 @@ def _paths(enc: msgspec.msgpack.Encoder) -> dict[str, Callable[[Window], Any]]:
         return [enc.encode(b) for b in compactor.compact_for_wire(w)[0]]
 
     def rules_py(w: Window) -> Any:
-        with without_accelerator():
-            return [enc.encode(b) for b in compactor.compact(w)[0]]
+        return [enc.encode(b) for b in compactor.compact(w, accelerated=False)[0]]
 
     paths = {
         "raw": raw,

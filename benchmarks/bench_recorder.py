@@ -10,7 +10,8 @@ recorder (coalesce/_recorder.py: the replay-program state of vLLM PR
   first step of the PR's own recorder, which folds the payloads it sent (a
   floor under its cost, on another thread of the same process);
 - ``record``: the recorder fed each batch (a fresh recorder per pass, so stores
-  are new keys as in a live stream);
+  are new keys as in a live stream): its state in C where built;
+- ``record py``: the same with the pure-Python recorder (the fall back);
 - ``record compacted``: the recorder fed the rules' output of each window
   (what the sender records under pressure), the compaction not counted;
 - ``feed, behind`` and ``feed, caught up``: the batches given one by one to
@@ -21,12 +22,19 @@ recorder (coalesce/_recorder.py: the replay-program state of vLLM PR
 
 Then the engine's share: an engine thread runs steps of Python work and a
 GIL-free wait (a GPU step's shape), handing one batch per step to a sender
-thread that records it, or only decodes its payload (the PR's recorder's
-floor), or does nothing with it; the engine loop's time for each.
+thread that records it (the table updated with the GIL held, as below 4096
+hashes a call, or released for every batch), or only decodes its payload
+(the PR's recorder's floor), or does nothing with it; the engine loop's time
+for each, and the longest single ``record()`` call (one GIL hold).
 
 Then the snapshot itself: building and encoding the chunks of the program the
 seed workload leaves, per held block, and the longest chunk (one sender
-step); and a snapshot of ``--blocks`` (1M) held blocks, end to end.
+step); and snapshots of 100,000 and ``--blocks`` (1M) held blocks, end to
+end, with the size of the recorder's C state; then, in a fresh process each,
+the RSS a recorder of ``--blocks`` held blocks adds (the recorded events
+included: 16 tokens a block), and the RSS growth over 100,000 batches that
+cancel out (store and remove of fresh blocks, as refused batches may be)
+with those blocks held, for the C state and for the Python dicts.
 
     .venv/bin/python benchmarks/bench_recorder.py [--seconds 0.4] [--rounds 7] [--blocks N]
 """
@@ -36,9 +44,11 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -50,9 +60,9 @@ import msgspec
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_compact import alternate, make_batch, seed_batches, workloads
 
-from coalesce import compactor
-from coalesce.events import BlockStored, KVEventBatch
-from coalesce.testing import Encoder, Recorder, SnapshotService
+from coalesce import _recorder, compactor
+from coalesce.events import BlockRemoved, BlockStored, KVEventBatch
+from coalesce.testing import Encoder, Feed, Recorder
 from coalesce_tools.results import header, row, run
 
 Window = list[Any]
@@ -73,9 +83,9 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
     def decode() -> Any:
         return [dec.decode(p) for p in payloads]
 
-    def recorder(stream: list[Any]) -> Callable[[], Any]:
+    def recorder(stream: list[Any], accelerated: bool | None = None) -> Callable[[], Any]:
         def record() -> Any:
-            rec = Recorder(10_000_000)
+            rec = Recorder(10_000_000, accelerated=accelerated)
             for b in stream:
                 rec.record(b)
             return rec
@@ -84,9 +94,7 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
 
     def feed(caught_up: bool) -> Callable[[], Any]:
         def record() -> Any:
-            svc = SnapshotService(
-                None, Recorder(10_000_000), None, 0, max_response_bytes=0, max_deferred_events=0
-            )
+            svc = Feed(Recorder(10_000_000), max_deferred_events=0)
             for b in batches:
                 svc.record((b,))
                 if caught_up:
@@ -100,6 +108,7 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
         "raw": raw,
         "decode": decode,
         "record": recorder(batches),
+        "record py": recorder(batches, accelerated=False),
         "record compacted": recorder(compacted),
         **{name: feed(caught_up) for name, caught_up in FEEDS.items()},
     }
@@ -133,7 +142,9 @@ def engine_loop(batches: list[Any], how: str) -> float:
     first step), or does nothing with it (``"none"``)."""
     pending: collections.deque[Any] = collections.deque()
     wake = threading.Event()
-    rec = Recorder(10**7) if how == "record" else None
+    rec = Recorder(10**7) if how.startswith("record") else None
+    accel = _recorder._accel
+    was = accel.set_nogil_from(0) if accel is not None and how == "record nogil" else None
     dec = msgspec.msgpack.Decoder(type=KVEventBatch) if how == "decode" else None
     if dec is not None:
         enc = Encoder()
@@ -166,12 +177,19 @@ def engine_loop(batches: list[Any], how: str) -> float:
     pending.append(None)
     wake.set()
     thread.join()
+    if was is not None and accel is not None:
+        accel.set_nogil_from(was)
     return elapsed
 
 
 def engine_share(batches: list[Any], rounds: int) -> dict[str, float]:
     """Median engine-loop seconds per path, paths alternated in each round."""
-    paths = {"no recorder": "none", "recorder": "record", "decode": "decode"}
+    paths = {
+        "no recorder": "none",
+        "recorder": "record",
+        "recorder, GIL released": "record nogil",
+        "decode": "decode",
+    }
     times: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(rounds):
         for name, how in paths.items():
@@ -180,9 +198,41 @@ def engine_share(batches: list[Any], rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def big_state(blocks: int) -> Recorder:
+def longest_record(batches: list[Any]) -> float:
+    """The longest single ``record()`` call, in seconds (one hold of the GIL)."""
+    rec, longest = Recorder(10**7), 0.0
+    for b in batches:
+        t0 = time.perf_counter()
+        rec.record(b)
+        longest = max(longest, time.perf_counter() - t0)
+    return longest
+
+
+def rss() -> int:
+    """The process's resident set, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cancelling(i: int) -> KVEventBatch:
+    """A batch that stores 4 fresh blocks and removes them: the state is unchanged."""
+    hashes = [(2**50 + 4 * i + j) * 2654435761 % 2**64 for j in range(4)]
+    store = BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=list(range(64)),
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    gone = BlockRemoved(block_hashes=hashes, medium="GPU")
+    return KVEventBatch(ts=0.0, events=[store, gone], data_parallel_rank=0)
+
+
+def big_state(blocks: int, accelerated: bool | None = None) -> Recorder:
     """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size)."""
-    rec = Recorder(blocks + 1)
+    rec = Recorder(blocks + 1, accelerated=accelerated)
     for start in range(0, blocks, 64):
         hashes = [(2**40 + h) * 2654435761 % 2**64 for h in range(start, min(start + 64, blocks))]
         ev = BlockStored(
@@ -210,53 +260,136 @@ def main() -> None:
         f"# bench_recorder: {platform.python_version()}, msgspec {msgspec.__version__}, "
         f"{args.rounds} rounds x {args.seconds} s, medians\n"
     )
-    header("workload", "raw encode ns/event", "decode", "record", "record compacted", *FEEDS)
+    header(
+        "workload",
+        "raw encode ns/event",
+        "decode",
+        "record",
+        "record py",
+        "record compacted",
+        *FEEDS,
+    )
     gc.collect()
     for name, windows in workloads(args.window).items():
         per = measure(windows, args.seconds, args.rounds)
         raw = per["raw"]
         print(
             f"| {name} | {raw * 1e9:.0f} | {per['decode'] / raw:.2f}x | "
-            f"{per['record'] / raw:.2f}x | {per['record compacted'] / raw:.2f}x | "
+            f"{per['record'] / raw:.2f}x | {per['record py'] / raw:.2f}x | "
+            f"{per['record compacted'] / raw:.2f}x | "
             + " | ".join(f"{per[feed] / raw:.2f}x" for feed in FEEDS)
             + " |",
             flush=True,
         )
     print()
-    header("engine's share", "batches", "events/batch", "no recorder s", "recorder", "decode")
+    header(
+        "engine's share",
+        "batches",
+        "events/batch",
+        "no recorder s",
+        "recorder",
+        "recorder, GIL released",
+        "decode",
+        "longest record() ms",
+    )
     for name, stream in (
         ("seed burst", seed_batches(True, 1100)),
         ("offload ~100/batch", [make_batch(i, 33) for i in range(800)]),
     ):
         loop = engine_share(stream, args.rounds)
         base = loop["no recorder"]
+        longest = statistics.median(longest_record(stream) for _ in range(3))
         print(
             f"| {name} | {len(stream)} | {sum(len(b.events) for b in stream) / len(stream):.0f} "
-            f"| {base:.3f} | {loop['recorder'] / base:.2f}x | {loop['decode'] / base:.2f}x |",
+            f"| {base:.3f} | {loop['recorder'] / base:.2f}x "
+            f"| {loop['recorder, GIL released'] / base:.2f}x | {loop['decode'] / base:.2f}x "
+            f"| {longest * 1e3:.2f} |",
             flush=True,
         )
     print()
-    header("snapshot", "blocks", "ns per block (build + encode)", "longest chunk ms", "total s")
+    header(
+        "snapshot",
+        "blocks",
+        "ns per block (build + encode)",
+        "longest chunk ms",
+        "total s",
+        "C state MB",
+    )
     rec = Recorder(10_000_000)
     for b in seed_batches(True, 1500):
         rec.record(b)
     per_block, longest = snapshot_cost(rec, args.rounds)
-    print(
-        f"| seed workload | {rec.held:,} | {per_block * 1e9:.0f} | "
-        f"{longest * 1e3:.2f} | {per_block * rec.held:.2f} |",
-        flush=True,
-    )
-    big = big_state(args.blocks)
-    per_block, longest = snapshot_cost(big, 3)
-    total = f"{per_block * big.held:.2f}"
     row(
-        f"{args.blocks:,} blocks",
-        f"{big.held:,}",
+        "seed workload",
+        f"{rec.held:,}",
         f"{per_block * 1e9:.0f}",
         f"{longest * 1e3:.2f}",
-        total,
+        f"{per_block * rec.held:.2f}",
+        _c_mb(rec),
     )
+    del rec
+    for blocks in (100_000, args.blocks):
+        big = big_state(blocks)
+        per_block, longest = snapshot_cost(big, 3)
+        row(
+            f"{blocks:,} blocks",
+            f"{big.held:,}",
+            f"{per_block * 1e9:.0f}",
+            f"{longest * 1e3:.2f}",
+            f"{per_block * big.held:.2f}",
+            _c_mb(big),
+        )
+        del big
+    print()
+    header(
+        "memory (a fresh process)",
+        "blocks held",
+        "C state MB",
+        "RSS growth MB, events included",
+        "then 100,000 cancelling batches: RSS growth MB",
+    )
+    for accelerated in ("1", "0"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--rss-child", str(args.blocks), accelerated],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        c_mb, grown, refused = json.loads(out.stdout.splitlines()[-1])
+        row(
+            "C state" if accelerated == "1" else "Python dicts",
+            f"{args.blocks:,}",
+            f"{c_mb:.1f}" if c_mb else "",
+            f"{grown:.0f}",
+            f"{refused:.1f}",
+        )
+
+
+def rss_child(blocks: int, accelerated: bool) -> None:
+    """In a fresh process: the RSS a recorder of ``blocks`` held blocks adds (its
+    recorded events included), then what 100,000 batches that cancel out add."""
+    gc.collect()
+    before = rss()
+    big = big_state(blocks, accelerated)
+    gc.collect()
+    grown = rss() - before
+    before = rss()
+    for i in range(100_000):
+        big.record(cancelling(i))
+    gc.collect()
+    cs = big._cs
+    nbytes = 0 if cs is None else cs.nbytes / 2**20
+    print(json.dumps([nbytes, grown / 2**20, (rss() - before) / 2**20]))
+
+
+def _c_mb(rec: Recorder) -> str:
+    """The recorder's C state (table, sources, their hashes), in MB; "" without one."""
+    cs = rec._cs
+    return "" if cs is None else f"{cs.nbytes / 2**20:.1f}"
 
 
 if __name__ == "__main__":
-    run("recorder", __doc__, main)
+    if sys.argv[1:2] == ["--rss-child"]:
+        rss_child(int(sys.argv[2]), sys.argv[3] == "1")
+    else:
+        run("recorder", __doc__, main)

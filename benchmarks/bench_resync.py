@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from coalesce import BlockStored, CoalescingPublisher, KVEventBatch, PublishOutcome
-from coalesce.testing import held, tap_sends
+from coalesce.testing import held, tapped
 from coalesce_tools.host import host
 from coalesce_tools.results import recording
 
@@ -51,20 +51,20 @@ def one_round(blocks: int, name: str) -> dict[str, float]:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(ep)
-    pub = CoalescingPublisher(
-        endpoint=ep,
-        hwm=0,
-        max_queue_size=1,
-        stall_timeout=0,
-        loss_marker="resync",
-        snapshot_max_blocks=max(blocks, 1_000_000),
-    )
+    sends: list[float] = []
+    with tapped(lambda topic, seq, payload: sends.append(time.perf_counter())):
+        pub = CoalescingPublisher(
+            endpoint=ep,
+            hwm=0,
+            max_queue_size=1,
+            stall_timeout=0,
+            loss_marker="resync",
+            snapshot_max_blocks=max(blocks, 1_000_000),
+        )
     try:
         for b in chains(blocks):  # every one sent: nothing lost yet
             assert pub.publish(b) is PublishOutcome.QUEUED
             assert pub.flush(10.0)
-        sends: list[float] = []
-        tap_sends(pub, lambda topic, seq, payload: sends.append(time.perf_counter()))
         with held(pub):
             assert pub.publish(KVEventBatch(0.0, [])) is PublishOutcome.QUEUED
             assert pub.publish(KVEventBatch(0.0, [])) is PublishOutcome.DROPPED

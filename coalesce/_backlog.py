@@ -11,7 +11,10 @@ publishing it cannot make the sender's counters (or the sender) fail.
 
 Loss is recorded in order: when ``offer()`` refuses a batch it remembers it,
 and the next batch it accepts is preceded by a ``LOSS`` marker, so the sender
-shows the loss (``coalesce._stream``) exactly where it happened.
+shows the loss (``coalesce._stream``) exactly where it happened.  With a record
+bound (a recorder on the sender's side), each refused batch takes its own place
+in the queue instead, inside a marker that carries it to the recorder (never
+sent), up to ``record_events`` such events waiting at once.
 
 Two budgets, as in vLLM plus one.  ``max_events`` bounds the events not yet
 sent (and, separately, the batches), the memory bound.
@@ -33,19 +36,24 @@ import time
 from collections import deque
 from typing import Any, Final
 
+from coalesce.stats import BacklogStats
+
 __all__ = ["LOSS", "Backlog", "is_loss"]
 
 
 class _Loss:
-    """Batches were refused here.  With a record bound, it carries them (for the
-    snapshot recorder only: they are never sent), and ``overflow`` says that more
-    were refused than the bound let it keep."""
+    """Batches were refused here.  With a record bound, it carries the one refused
+    (for the recorder only: it is never sent) and its events, or ``overflow``: more
+    were refused than the bound let the queue keep."""
 
-    __slots__ = ("overflow", "refused")
+    __slots__ = ("events", "overflow", "refused")
 
-    def __init__(self, refused: list[Any] | None = None, overflow: bool = False) -> None:
+    def __init__(
+        self, refused: list[Any] | None = None, overflow: bool = False, events: int = 0
+    ) -> None:
         self.refused = refused
         self.overflow = overflow
+        self.events = events
 
     def __repr__(self) -> str:
         return "LOSS"
@@ -88,18 +96,19 @@ class Backlog:
         self.batches_dropped = self.events_dropped = 0
         self.peak = 0
         self._unmarked_loss = False
-        # record_events > 0 (snapshots on): refused batches, up to that many events per
-        # loss, ride in its marker to the recorder (O(1) each)
+        # record_events > 0 (a recorder): refused batches take their place in the
+        # queue, in markers, up to that many events waiting at once (O(1) each)
         self.record_events = record_events
-        self._refused: list[Any] | None = [] if record_events else None
-        self._refused_events = 0
-        self._refused_overflow = False
+        self.refused_in = 0  # events of refused batches queued (engine thread)
+        self._overflowing = False  # the bound was passed; its marker is queued
         self._full_out = -1  # batches_out when the deque was last seen full
         self._full_since = 0.0
         # written by the sender thread
         self.batches_out = 0  # batches that left the hand-off deque (staged or taken)
         self.events_out = 0  # events taken for sending
         self.staged = 0  # batches in the staging deque
+        self.abandoned_batches = self.abandoned_events = 0  # taken, then not sent
+        self.refused_out = 0  # events of refused batches taken to the recorder
 
     # -- engine thread -------------------------------------------------------
 
@@ -121,19 +130,16 @@ class Backlog:
         ):
             self.batches_dropped += 1
             self.events_dropped += n_events
-            self._unmarked_loss = True
-            refused = self._refused
-            if refused is not None and not self._refusing and not self._refused_overflow:
-                if self._refused_events + n_events <= self.record_events:
-                    refused.append(batch)
-                    self._refused_events += n_events
-                else:
-                    self._refused_overflow = True
+            if self.record_events and not self._refusing:
+                self._refused(batch, n_events)
+            else:
+                self._unmarked_loss = True
             return False
         q = self._q
+        self._overflowing = False
         if self._unmarked_loss:
             self._unmarked_loss = False
-            q.append(self._marker())
+            q.append(LOSS)
         q.append((batch, n_events))
         self.batches_in += 1
         self.events_in += n_events
@@ -142,13 +148,15 @@ class Backlog:
             self.peak = n
         return True
 
-    def _marker(self) -> _Loss:
-        refused = self._refused
-        if refused is None:
-            return LOSS
-        marker = _Loss(refused, self._refused_overflow)
-        self._refused, self._refused_events, self._refused_overflow = [], 0, False
-        return marker
+    def _refused(self, batch: Any, n_events: int) -> None:
+        """Queue a refused batch in its place, for the recorder, or once per episode
+        the marker that says the bound was passed.  O(1)."""
+        if self.refused_in - self.refused_out + n_events <= self.record_events:
+            self._q.append(_Loss([batch], events=n_events))
+            self.refused_in += n_events
+        elif not self._overflowing:
+            self._overflowing = True
+            self._q.append(_Loss(overflow=True))
 
     def _stalled(self) -> bool:
         """The hand-off deque is full: has the sender taken nothing for ``stall_timeout``?
@@ -171,7 +179,7 @@ class Backlog:
         """Put the marker for refused batches in now (no later batch will)."""
         if self._unmarked_loss:
             self._unmarked_loss = False
-            self._q.append(self._marker())
+            self._q.append(LOSS)
 
     def refuse_all(self) -> None:
         """From now on :meth:`offer` refuses every batch (the sender has stopped for good)."""
@@ -210,12 +218,31 @@ class Backlog:
         return bool(src) and not is_loss(src[0])
 
     def take_one(self) -> tuple[Any, int] | _Loss:
-        """Pop the oldest item: ``(batch, events)`` or ``LOSS``.  O(1).  Must not be empty."""
+        """Pop the oldest item: ``(batch, events)``, or a loss (:meth:`_losses`).  O(1)
+        but for a run of markers.  Must not be empty."""
         src = self._source()
+        if is_loss(src[0]):
+            return self._losses(src)
         item = src.popleft()
-        if not is_loss(item):
-            self._took(src, 1, item[1])
+        self._took(src, 1, item[1])
         return item  # type: ignore[no-any-return]
+
+    def _losses(self, src: deque[Any]) -> _Loss:
+        """Pop the run of loss markers at the head of ``src``: one loss, carrying every
+        refused batch of the run in order.  O(markers)."""
+        first = src.popleft()
+        if not src or not is_loss(src[0]):
+            self.refused_out += first.events
+            return first  # type: ignore[no-any-return]
+        refused: list[Any] = list(first.refused or ())
+        overflow, events = first.overflow, first.events
+        while src and is_loss(src[0]):
+            item = src.popleft()
+            refused += item.refused or ()
+            overflow = overflow or item.overflow
+            events += item.events
+        self.refused_out += events
+        return _Loss(refused or None, overflow, events)
 
     def take(self, max_events: int) -> list[Any] | _Loss:
         """Pop batches holding up to ``max_events`` events (at least one batch).
@@ -226,7 +253,7 @@ class Backlog:
         """
         src = self._source()
         if is_loss(src[0]):
-            return src.popleft()  # type: ignore[no-any-return]
+            return self._losses(src)
         out: list[Any] = []
         events = 0
         while src and not is_loss(src[0]):
@@ -238,18 +265,28 @@ class Backlog:
         self._took(src, len(out), events)
         return out
 
+    def abandon(self, batches: int, events: int) -> None:
+        """Count batches taken and then not sent (the sender failed with them in hand)
+        as dropped.  O(1)."""
+        self.abandoned_batches += batches
+        self.abandoned_events += events
+
     def drain(self) -> tuple[int, int]:
-        """Discard what is left (shutdown past its deadline); return (batches, events)."""
+        """Discard what is left (shutdown past its deadline), counted as dropped;
+        return (batches, events)."""
         batches = events = 0
         for src in (self._staged, self._q):
             n = e = 0
             while src:
                 item = src.popleft()
-                if not is_loss(item):
+                if is_loss(item):
+                    self.refused_out += item.events
+                else:
                     n += 1
                     e += item[1]
             self._took(src, n, e)
             batches, events = batches + n, events + e
+        self.abandon(batches, events)
         return batches, events
 
     # -- any thread ----------------------------------------------------------
@@ -272,6 +309,19 @@ class Backlog:
     def pending_events(self) -> int:
         """Events in those batches (what ``max_events`` bounds).  O(1)."""
         return self.events_in - self.events_out
+
+    def stats(self) -> BacklogStats:
+        """The counters, frozen: refused and abandoned batches both count as dropped.
+        O(1)."""
+        return BacklogStats(
+            batches_in=self.batches_in,
+            events_in=self.events_in,
+            batches_dropped=self.batches_dropped + self.abandoned_batches,
+            events_dropped=self.events_dropped + self.abandoned_events,
+            backlog_batches=self.waiting,
+            backlog_events=self.pending_events,
+            backlog_peak=self.peak,
+        )
 
     def check(self) -> None:
         """Assert the invariants (tests call it after every mutation).  O(items)."""

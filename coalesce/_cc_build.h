@@ -75,7 +75,7 @@ static PyObject *build_item(Window *w, const SegVec *segs, const Item *it, int w
         Py_INCREF(base->ev);
         return base->ev;
     }
-    PyObject *obj = PyObject_CallMethodNoArgs(base->ev, s_copy);
+    PyObject *obj = PyObject_CallMethodNoArgs(base->ev, w->reg->s_copy);
     if (obj == NULL) return NULL;
     if (Py_TYPE(obj) != base->ti->type) {
         Py_DECREF(obj);
@@ -104,8 +104,6 @@ fail:
 }
 
 /* ---- compact_window(wire=True): per-block arrays written as msgspec would ---- */
-
-static PyObject *s_raw_type = NULL; /* msgspec.Raw, imported on first use */
 
 /* Elements below which a list is built all the same: a bytes object and a Raw
  * cost more than a short list and its encoding. */
@@ -226,7 +224,7 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
     }
     PyObject *bytes = PyBytes_FromStringAndSize((const char *)d, (Py_ssize_t)(p - d));
     if (bytes == NULL) return NULL;
-    PyObject *raw = PyObject_CallOneArg(s_raw_type, bytes);
+    PyObject *raw = PyObject_CallOneArg(w->reg->raw_type, bytes);
     Py_DECREF(bytes);
     return raw;
 }

@@ -9,7 +9,7 @@
 
 typedef struct {
     PyObject *ev; /* borrowed from the input list */
-    TypeInfo *ti;
+    const TypeInfo *ti;
     int kind;
     int32_t mg;     /* dense index of its (medium, group) */
     int32_t parent; /* the parent's hash id, -1 for None */
@@ -59,9 +59,10 @@ typedef struct {
     SegVec segs;
 } Desc;
 
-/* Everything one call works in.  Kept across calls (a fresh allocation per
- * window cost more in page faults than the rules).  `busy` (read and set with
- * the GIL held) makes a call that finds its state in use decline. */
+/* Everything one call works in, in the module's state.  Kept across calls (a
+ * fresh allocation per window cost more in page faults than the rules).
+ * `busy` (read and set with the GIL held) makes a call that finds its state
+ * in use decline. */
 typedef struct {
     Table ids;
     struct {
@@ -74,8 +75,6 @@ typedef struct {
     SegVec segs_a, segs_b;
     int busy;
 } State;
-
-static State g_obj; /* compact_events */
 
 static void segvec_trim(SegVec *v) {
     if ((size_t)v->cap * sizeof(Seg) > KEEP_BYTES) {
@@ -112,14 +111,15 @@ typedef struct {
     PyObject *groups[MAX_IDS];
     int ngroups;
     uint32_t mgs[MAX_MG];
-    State *st;
+    State *st;           /* the module's buffers */
+    const Registry *reg; /* the module's classes */
 } Window;
 
 #define KID(w, hid, mg) ((Py_ssize_t)(hid) * (w)->nmg + (mg))
 
-static TypeInfo *find_type(PyTypeObject *tp) {
-    for (int i = 0; i < g_ntypes; i++)
-        if (g_types[i].type == tp) return &g_types[i];
+static const TypeInfo *find_type(const Registry *reg, PyTypeObject *tp) {
+    for (int i = 0; i < reg->ntypes; i++)
+        if (reg->types[i].type == tp) return &reg->types[i];
     return NULL;
 }
 
@@ -189,10 +189,10 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     w->src = (Src *)buf_get(&w->st->bufs.src, (size_t)n * sizeof(Src));
     if (w->src == NULL) return -1;
     memset(w->src, 0, (size_t)n * sizeof(Src));
-    TypeInfo *ti = NULL;
+    const TypeInfo *ti = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i);
-        if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(Py_TYPE(ev));
+        if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(w->reg, Py_TYPE(ev));
         if (ti == NULL) {
             *unknown = Py_TYPE(ev);
             return 0;
@@ -221,7 +221,7 @@ static int read_window(PyObject *events, Window *w, PyTypeObject **unknown) {
     int32_t next = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Src *s = &w->src[i];
-        TypeInfo *ti = s->ti;
+        const TypeInfo *ti = s->ti;
         /* the first hash of the events ahead: its int, then its id slot */
         if (i + 2 * AHEAD < n) PREFETCH_FIRST_HASH(&w->src[i + 2 * AHEAD]);
         if (i + AHEAD < n) PREFETCH_FIRST_SLOT(&w->st->ids, &w->src[i + AHEAD]);

@@ -1,487 +1,1583 @@
-/* The snapshot recorder's loop in C: Recorder.record's steps for stores and
- * removals, on the recorder's own dicts and lists (coalesce/_recorder.py
- * holds the state, the Python loop that is this one's oracle, and the docs).
+/* The snapshot recorder's state and loop in C (coalesce/_recorder.py holds
+ * the semantics, the pure-Python recorder that is this one's fallback and
+ * oracle, and the docs).
  *
- * record(events, i, kinds, live, sources, refs, unused, n) -> int
- *   events:  a list of event objects; applied from index i on.
- *   kinds:   {class: kind} (STORED 0, REMOVED 1, CLEARED 2, MOVED 3, OTHER 4).
- *   live:    {scope: {hash: source id << 32 | count}}, scope a 4-tuple.
- *   sources: {source id: (event, scope, deps, tokens, size)}.
- *   refs:    {source id: keys naming it + dependants}.
- *   unused:  the ids whose refs fell to 0 (collected by the caller).
- *   n:       [next id, keys held, counts' sum, kept sources' hashes].
- * Returns the index of the first event it did not apply: len(events) when
- * done, or an event of a class not in `kinds`, a clear or a move (the caller
- * applies that one and calls again), or a store when the next source id
- * reaches 2**31 (the caller renumbers the sources first).  OTHER events are skipped.  Raises what
- * the Python loop would raise for an event it cannot interpret (an
- * unhashable hash, a hash list that is not a sequence); the caller then
- * forgets the whole state, so a half-applied event is never used.
+ * State (a State object; nothing in it is a Python object but the recorded
+ * events, the scope tuples and the interned hashes):
+ * - keys: an open-addressing table (_cr_table.h) of (scope id, 64-bit hash)
+ *   -> count and the source naming it;
+ * - scopes: (medium, group_idx, locality, ownership) tuples interned to small
+ *   ids, in the order a store first used them (the Python recorder's `live`);
+ * - hashes that are not ints in [0, 2**64) (bytes, str, big or negative
+ *   ints) interned to ids, held while a kept source stores them;
+ * - sources: a C array of slots (freed slots reused) linked in recorded
+ *   order; each holds a strong reference to its store event (kept whole for
+ *   the program), its hashes as keys, its dependencies and its refs (keys
+ *   naming it + dependants).  A source is dropped as soon as its refs fall
+ *   to 0 (the Python recorder collects at the end of the batch: the same
+ *   state, since nothing can reach a source no key names).
  *
- * collect(sources, refs, unused, n) -> None: Recorder._collect's loop.
+ * State.record(events, i) applies events[i:] in three phases: under the GIL
+ * each event's fields are read at their msgspec slot offsets (the classes
+ * registered with register(); coalesce/_layout.py checks at import that
+ * they are read right) into a buffer of operations, hashes as keys; then the
+ * operations are applied to the table (pure C, the GIL released when there
+ * are many); then, under the GIL again, the events of dropped sources are
+ * released.  It returns the index of the first event it did not apply (and
+ * sets `stopped`): len(events), or an event of a class not registered (1:
+ * register it and call again), a BlockMoved (2: the caller applies it as
+ * its store and removal), or an event it cannot read (3: a field unset or of
+ * a type it does not take, a hash neither an int, bytes nor str: the caller
+ * moves the state to the Python recorder, which applies it or raises).
+ * AllBlocksCleared is applied here.
  *
- * Fields are read by name (PyObject_GetAttr), never at slot offsets: nothing
- * here assumes a layout.  References taken from a container are held across
- * any call that could run Python code (a caller's attribute or __eq__).
- * O(hashes of the events), plus O(scopes) per parent or token lookup
- * outside the store's scope. */
+ * State.walk(...) -> Walk: the replay program, a chunk per next() (the
+ * Python recorder's chunks(), the same events in the same chunks).
+ * State.export() -> (live, sources, refs, n): the state in the Python
+ * recorder's form, source ids renumbered in recorded order (for the fall
+ * back, check() and the differential tests). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
-enum { STORED = 0, REMOVED = 1, CLEARED = 2, MOVED = 3, OTHER = 4 };
-enum { EVENT, SCOPE, DEPS, TOKENS, SIZE };
-enum { NEXT, HELD, COUNTS, KEPT };
-#define SHIFT 32
-#define COUNT_MASK 0xffffffffLL
-#define MAX_ID (1LL << 31)
+#include "_cstruct.h"
+#include "_cr_table.h"
 
-static PyObject *s_medium, *s_group_idx, *s_locality, *s_ownership;
-static PyObject *s_block_hashes, *s_parent_block_hash, *s_token_ids;
+enum { STORED = 0, REMOVED = 1, CLEARED = 2, MOVED = 3, OTHER = 4, UNREADABLE = 5 };
+enum { STOP_DONE = 0, STOP_UNKNOWN = 1, STOP_MOVE = 2, STOP_PYTHON = 3 };
+enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP, NF };
 
-/* getattr(o, name, None): a new reference, or NULL on an error other than a
- * missing attribute. */
-static PyObject *attr_or_none(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();
-        v = Py_NewRef(Py_None);
-    }
-    return v;
-}
+#define MAX_TYPES 64
+#define AHEAD 4 /* prefetch distance, in events */
+#define NCACHE 8 /* scopes remembered by value (a stream alternates between a few) */
+static Py_ssize_t g_nogil_from = 4096; /* hashes in a call from which the table is updated
+                                        without the GIL (set_nogil_from) */
+#define MAX_SCOPES 0x7ffffff0u
 
-/* The last scope looked up in one record() call: its four field values (compared
- * by identity: an event of the same scope usually holds the very same objects),
- * the scope tuple and its table (NULL: none yet).  All references owned.  A
- * table is never dropped from `live` during a call, so a cached one stays valid. */
 typedef struct {
-    PyObject *attrs[4], *scope, *table;
-} Cache;
+    PyTypeObject *type; /* strong reference, kept for the process's life */
+    int kind;
+    Py_ssize_t off[NF]; /* -1: the class has no such field (read as None) */
+} TypeInfo;
 
-static void cache_clear(Cache *c) {
-    for (int k = 0; k < 4; k++) Py_CLEAR(c->attrs[k]);
-    Py_CLEAR(c->scope);
-    Py_CLEAR(c->table);
-}
+static TypeInfo g_types[MAX_TYPES];
+static int g_ntypes = 0;
+static const char *const FIELD_NAMES[NF] = {"block_hashes", "parent_block_hash", "token_ids",
+                                             "medium", "group_idx", "locality", "ownership"};
 
-/* The table of `ev`'s scope (a borrowed reference, owned by the cache), created
- * in `live` if `create`; NULL with no error when there is none.  *scope: the
- * scope tuple (borrowed, owned by the cache).  NULL with an error on failure. */
-static PyObject *table_of(PyObject *ev, PyObject *live, Cache *c, int create,
-                          PyObject **scope) {
-    PyObject *names[4] = {s_medium, s_group_idx, s_locality, s_ownership};
-    PyObject *a[4];
-    int same = c->scope != NULL;
-    for (int k = 0; k < 4; k++) {
-        a[k] = attr_or_none(ev, names[k]);
-        if (a[k] == NULL) {
-            while (k--) Py_DECREF(a[k]);
-            return NULL;
-        }
-        same = same && a[k] == c->attrs[k];
-    }
-    if (!same) {
-        PyObject *t = PyTuple_New(4);
-        if (t == NULL) {
-            for (int k = 0; k < 4; k++) Py_DECREF(a[k]);
-            return NULL;
-        }
-        for (int k = 0; k < 4; k++) PyTuple_SET_ITEM(t, k, Py_NewRef(a[k]));
-        PyObject *table = PyDict_GetItemWithError(live, t);
-        if (table == NULL && PyErr_Occurred()) {
-            Py_DECREF(t);
-            for (int k = 0; k < 4; k++) Py_DECREF(a[k]);
-            return NULL;
-        }
-        cache_clear(c);
-        for (int k = 0; k < 4; k++) c->attrs[k] = Py_NewRef(a[k]);
-        c->scope = t;
-        c->table = Py_XNewRef(table);
-    }
-    for (int k = 0; k < 4; k++) Py_DECREF(a[k]);
-    if (c->table == NULL && create) {
-        PyObject *table = PyDict_New();
-        if (table == NULL) return NULL;
-        if (PyDict_SetItem(live, c->scope, table) < 0) {
-            Py_DECREF(table);
-            return NULL;
-        }
-        c->table = table;
-    }
-    *scope = c->scope;
-    return c->table;
-}
-
-/* refs[sid] += delta; the new value in *now.  -1 on an error (a missing id). */
-static int add_refs(PyObject *refs, PyObject *sid, long long delta, long long *now) {
-    PyObject *v = PyDict_GetItemWithError(refs, sid);
-    if (v == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "a key names no kept source");
-        return -1;
-    }
-    long long r = PyLong_AsLongLong(v);
-    if (r == -1 && PyErr_Occurred()) return -1;
-    r += delta;
-    PyObject *nv = PyLong_FromLongLong(r);
-    int err = nv == NULL ? -1 : PyDict_SetItem(refs, sid, nv);
-    Py_XDECREF(nv);
-    *now = r;
-    return err;
-}
-
-/* The source `sid` loses a reference; at 0 its id goes to `unused`. */
-static int release(PyObject *refs, PyObject *unused, PyObject *sid) {
-    long long now;
-    if (add_refs(refs, sid, -1, &now) < 0) return -1;
-    return now == 0 ? PyList_Append(unused, sid) : 0;
-}
-
-/* The source id holding `h` in `table`, else in any table of `live`; -1 when
- * none holds it, -2 on an error. */
-static long long held_anywhere(PyObject *live, PyObject *table, PyObject *h) {
-    PyObject *v = PyDict_GetItemWithError(table, h);
-    if (v == NULL && PyErr_Occurred()) return -2;
-    Py_ssize_t pos = 0;
-    PyObject *scope, *other;
-    while (v == NULL && PyDict_Next(live, &pos, &scope, &other)) {
-        v = PyDict_GetItemWithError(other, h);
-        if (v == NULL && PyErr_Occurred()) return -2;
-    }
-    if (v == NULL) return -1;
-    long long value = PyLong_AsLongLong(v);
-    return value == -1 && PyErr_Occurred() ? -2 : value >> SHIFT;
-}
-
-/* The source `id` loses a reference (release() by a C id). */
-static int release_id(PyObject *refs, PyObject *unused, long long id) {
-    PyObject *sid = PyLong_FromLongLong(id);
-    if (sid == NULL) return -1;
-    int err = release(refs, unused, sid);
-    Py_DECREF(sid);
-    return err;
-}
-
-static int remove_event(PyObject *ev, PyObject *live, PyObject *refs, PyObject *unused,
-                        long long *n, Cache *cache) {
-    PyObject *scope;
-    PyObject *table = table_of(ev, live, cache, 0, &scope);
-    if (table == NULL) return PyErr_Occurred() ? -1 : 0;
-    Py_INCREF(table);
-    int rc = -1;
-    PyObject *hashes = PyObject_GetAttr(ev, s_block_hashes), *seq = NULL;
-    if (hashes == NULL) goto done;
-    seq = PySequence_Fast(hashes, "block_hashes is not a sequence");
-    if (seq == NULL) goto done;
-    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(seq, j);
-        PyObject *v = PyDict_GetItemWithError(table, h);
-        if (v == NULL) {
-            if (PyErr_Occurred()) goto done;
-            continue; /* a removal of a key not held is a no-op */
-        }
-        long long value = PyLong_AsLongLong(v);
-        if (value == -1 && PyErr_Occurred()) goto done;
-        n[COUNTS] -= 1;
-        if ((value & COUNT_MASK) > 1) {
-            PyObject *less = PyLong_FromLongLong(value - 1);
-            int err = less == NULL ? -1 : PyDict_SetItem(table, h, less);
-            Py_XDECREF(less);
-            if (err < 0) goto done;
-            continue;
-        }
-        if (PyDict_DelItem(table, h) < 0) goto done;
-        n[HELD] -= 1;
-        if (release_id(refs, unused, value >> SHIFT) < 0) goto done;
-    }
-    rc = 0;
-done:
-    Py_XDECREF(seq);
-    Py_XDECREF(hashes);
-    Py_DECREF(table);
-    return rc;
-}
-
-/* Append `sid` to `deps` unless there (==). */
-static int add_dep(PyObject *deps, PyObject *sid) {
-    int there = PySequence_Contains(deps, sid);
-    if (there < 0) return -1;
-    return there ? 0 : PyList_Append(deps, sid);
-}
-
-static int store_event(PyObject *ev, PyObject *live, PyObject *sources, PyObject *refs,
-                       PyObject *unused, long long *n, Cache *cache) {
-    int rc = -1;
-    PyObject *hashes = NULL, *seq = NULL, *scope = NULL, *table = NULL, *deps = NULL;
-    PyObject *parent = NULL, *toks = NULL, *sid = NULL, *source = NULL, *dep_tuple = NULL;
-    hashes = PyObject_GetAttr(ev, s_block_hashes);
-    if (hashes == NULL) goto done;
-    Py_ssize_t size = PyObject_Length(hashes); /* (None raises, as len() does) */
-    if (size < 0) goto done;
-    if (size == 0) {
-        rc = 0;
-        goto done;
-    }
-    seq = PySequence_Fast(hashes, "block_hashes is not a sequence");
-    if (seq == NULL) goto done;
-    table = table_of(ev, live, cache, 1, &scope);
-    if (table == NULL) goto done;
-    Py_INCREF(table);
-    Py_INCREF(scope);
-    parent = PyObject_GetAttr(ev, s_parent_block_hash);
-    if (parent == NULL) goto done;
-    PyObject *parent_dep = NULL;
-    if (parent != Py_None) {
-        long long held = held_anywhere(live, table, parent);
-        if (held == -2) goto done;
-        if (held >= 0 && (parent_dep = PyLong_FromLongLong(held)) == NULL) goto done;
-    }
-    toks = attr_or_none(ev, s_token_ids);
-    int tokens = toks == NULL ? -1 : PyObject_IsTrue(toks);
-    if (tokens < 0) {
-        Py_XDECREF(parent_dep);
-        goto done;
-    }
-    if (tokens) { /* (the usual case: the parent's source at most) */
-        dep_tuple = parent_dep == NULL ? PyTuple_New(0) : PyTuple_Pack(1, parent_dep);
-        Py_XDECREF(parent_dep);
-        if (dep_tuple == NULL) goto done;
-    } else {
-        deps = PyList_New(0);
-        int err = deps == NULL ? -1 : parent_dep == NULL ? 0 : PyList_Append(deps, parent_dep);
-        Py_XDECREF(parent_dep);
-        if (err < 0) goto done;
-        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
-            PyObject *h = PySequence_Fast_GET_ITEM(seq, j);
-            Py_ssize_t pos = 0;
-            PyObject *key, *other;
-            while (PyDict_Next(live, &pos, &key, &other)) {
-                PyObject *held = PyDict_GetItemWithError(other, h);
-                if (held == NULL) {
-                    if (PyErr_Occurred()) goto done;
-                    continue;
-                }
-                long long value = PyLong_AsLongLong(held);
-                PyObject *dep = value == -1 && PyErr_Occurred()
-                                    ? NULL
-                                    : PyLong_FromLongLong(value >> SHIFT);
-                if (dep == NULL) goto done;
-                PyObject *src = PyDict_GetItemWithError(sources, dep);
-                int with = src == NULL || !PyTuple_Check(src) || PyTuple_GET_SIZE(src) != 5
-                               ? -1
-                               : PyObject_IsTrue(PyTuple_GET_ITEM(src, TOKENS));
-                if (with < 0) {
-                    if (!PyErr_Occurred())
-                        PyErr_SetString(PyExc_KeyError, "a key names no kept source tuple");
-                    Py_DECREF(dep);
-                    goto done;
-                }
-                int err = with ? add_dep(deps, dep) : 0;
-                Py_DECREF(dep);
-                if (err < 0) goto done;
-                if (with) break;
-            }
-        }
-        dep_tuple = PyList_AsTuple(deps);
-        if (dep_tuple == NULL) goto done;
-    }
-    sid = PyLong_FromLongLong(n[NEXT]);
-    if (sid == NULL) goto done;
-    n[NEXT] += 1;
-    PyObject *size_obj = PyLong_FromSsize_t(size);
-    if (size_obj == NULL) goto done;
-    source = PyTuple_Pack(5, ev, scope, dep_tuple, tokens ? Py_True : Py_False, size_obj);
-    Py_DECREF(size_obj);
-    if (source == NULL) goto done;
-    if (PyDict_SetItem(sources, sid, source) < 0) goto done;
-    PyObject *zero = PyLong_FromLong(0);
-    int zerr = zero == NULL ? -1 : PyDict_SetItem(refs, sid, zero);
-    Py_XDECREF(zero);
-    if (zerr < 0) goto done;
-    n[KEPT] += size;
-    for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(dep_tuple); d++) {
-        long long now;
-        if (add_refs(refs, PyTuple_GET_ITEM(dep_tuple, d), 1, &now) < 0) goto done;
-    }
-    long long names = 0, added = 0, id = n[NEXT] - 1, mine = id << SHIFT;
-    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(seq, j);
-        PyObject *v = PyDict_GetItemWithError(table, h);
-        long long value = 0;
-        if (v == NULL) {
-            if (PyErr_Occurred()) goto done;
-        } else {
-            value = PyLong_AsLongLong(v);
-            if (value == -1 && PyErr_Occurred()) goto done;
-        }
-        PyObject *now_v = PyLong_FromLongLong(mine | ((value & COUNT_MASK) + 1));
-        int err = now_v == NULL ? -1 : PyDict_SetItem(table, h, now_v);
-        Py_XDECREF(now_v);
-        if (err < 0) goto done;
-        if (v == NULL) {
-            added += 1;
-        } else if ((value >> SHIFT) != id) { /* (else: a hash repeated in this event) */
-            names += 1;
-            if (release_id(refs, unused, value >> SHIFT) < 0) goto done;
-        }
-    }
-    long long now;
-    if (add_refs(refs, sid, added + names, &now) < 0) goto done;
-    n[HELD] += added;
-    n[COUNTS] += size;
-    rc = 0;
-done:
-    Py_XDECREF(hashes);
-    Py_XDECREF(seq);
-    Py_XDECREF(scope);
-    Py_XDECREF(table);
-    Py_XDECREF(deps);
-    Py_XDECREF(parent);
-    Py_XDECREF(toks);
-    Py_XDECREF(sid);
-    Py_XDECREF(source);
-    Py_XDECREF(dep_tuple);
-    return rc;
-}
-
-static int read_counters(PyObject *list, long long *n) {
-    if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) != 4) {
-        PyErr_SetString(PyExc_TypeError, "n must be a list of 4 ints");
-        return -1;
-    }
-    for (int k = 0; k < 4; k++) {
-        n[k] = PyLong_AsLongLong(PyList_GET_ITEM(list, k));
-        if (n[k] == -1 && PyErr_Occurred()) return -1;
-    }
-    return 0;
-}
-
-static int write_counters(PyObject *list, const long long *n) {
-    for (int k = 0; k < 4; k++) {
-        PyObject *v = PyLong_FromLongLong(n[k]);
-        if (v == NULL || PyList_SetItem(list, k, v) < 0) return -1;
-    }
-    return 0;
-}
-
-PyDoc_STRVAR(record_doc,
-             "record(events, i, kinds, live, sources, refs, unused, n) -> int\n\n"
-             "Apply events[i:] to the recorder's state; the index of the first event\n"
-             "not applied (see the module source's header).");
-
-static PyObject *cr_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "record() takes 8 arguments");
-        return NULL;
-    }
-    PyObject *events = args[0], *kinds = args[2], *live = args[3], *sources = args[4];
-    PyObject *refs = args[5], *unused = args[6], *counters = args[7];
-    if (!PyList_CheckExact(events) || !PyDict_CheckExact(kinds) || !PyDict_CheckExact(live) ||
-        !PyDict_CheckExact(sources) || !PyDict_CheckExact(refs) || !PyList_CheckExact(unused)) {
-        PyErr_SetString(PyExc_TypeError, "record(list, int, dict, dict, dict, dict, list, list)");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
-    if (i == -1 && PyErr_Occurred()) return NULL;
-    long long n[4];
-    if (read_counters(counters, n) < 0) return NULL;
-    Cache cache = {{NULL, NULL, NULL, NULL}, NULL, NULL};
-    for (; i < PyList_GET_SIZE(events); i++) {
-        PyObject *ev = PyList_GET_ITEM(events, i);
-        PyObject *kind_obj = PyDict_GetItemWithError(kinds, (PyObject *)Py_TYPE(ev));
-        if (kind_obj == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            break; /* a class not looked up yet: the caller does */
-        }
-        long kind = PyLong_AsLong(kind_obj);
-        if (kind == -1 && PyErr_Occurred()) goto fail;
-        if (kind == OTHER) continue;
-        if (kind != STORED && kind != REMOVED) break; /* a clear or a move: the caller */
-        if (kind == STORED && n[NEXT] >= MAX_ID) break; /* ids to renumber: the caller */
-        Py_INCREF(ev);
-        int err = kind == REMOVED ? remove_event(ev, live, refs, unused, n, &cache)
-                                  : store_event(ev, live, sources, refs, unused, n, &cache);
-        Py_DECREF(ev);
-        if (err < 0) goto fail;
-    }
-    cache_clear(&cache);
-    if (write_counters(counters, n) < 0) return NULL;
-    return PyLong_FromSsize_t(i);
-fail:
-    cache_clear(&cache);
+static TypeInfo *find_type(PyTypeObject *tp) {
+    for (int i = 0; i < g_ntypes; i++)
+        if (g_types[i].type == tp) return &g_types[i];
     return NULL;
 }
 
-PyDoc_STRVAR(collect_doc,
-             "collect(sources, refs, unused, n) -> None\n\n"
-             "Drop the sources in `unused` that nothing keeps (Recorder._collect).");
+/* ---- the state ------------------------------------------------------------ */
 
-static PyObject *cr_collect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1]) ||
-        !PyList_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "collect(dict, dict, list, list)");
+typedef struct {
+    PyObject *ev;   /* strong; NULL: a free slot */
+    uint64_t *hs;   /* its hashes as keys (size > 1), else h1 */
+    uint64_t h1;
+    uint8_t *ifl;   /* per hash: 1 when interned; NULL: none is */
+    uint32_t *deps; /* ndeps > 1, else d1 */
+    uint32_t d1, ndeps;
+    uint32_t scope, size, refs, prev, next;
+    Py_ssize_t ntok;
+    uint8_t tokens, repeats;
+} Src;
+
+static inline const uint64_t *src_hashes(const Src *s) { return s->size == 1 ? &s->h1 : s->hs; }
+static inline const uint32_t *src_deps(const Src *s) { return s->ndeps == 1 ? &s->d1 : s->deps; }
+static inline uint32_t src_sk(const Src *s, uint32_t j) {
+    return s->scope | (s->ifl != NULL && s->ifl[j] ? IFLAG : 0);
+}
+
+typedef struct {
+    PyObject *v[4];
+    uint32_t id;
+    int valid;
+} ScopeCache;
+
+static void cache_clear(ScopeCache *c) {
+    for (int k = 0; k < 4; k++) Py_CLEAR(c->v[k]);
+    c->valid = 0;
+}
+
+/* One event read under the GIL, applied later. */
+typedef struct {
+    int kind; /* STORED or REMOVED */
+    uint32_t scope;
+    PyObject *ev; /* a store's: a new reference, handed to its source */
+    size_t h0;
+    uint32_t n;
+    uint8_t parent; /* 0 none (None, or an interned kind never seen), 1 a key */
+    uint8_t tokens;
+    uint32_t parent_sk;
+    uint64_t parent_h;
+    Py_ssize_t ntok;
+} Op;
+
+typedef struct {
+    PyObject_HEAD
+    Tab keys;
+    Src *src;
+    uint32_t nsrc_cap, free_head, head, tail, nsources;
+    long long held, counts, kept; /* keys held, the counts' sum, kept sources' hashes */
+    PyObject *scope_ids;          /* {scope tuple: id} */
+    PyObject **scopes;            /* id -> scope tuple (strong) */
+    uint32_t nscopes, scopes_cap;
+    PyObject *intern_ids; /* {hash object: id} */
+    PyObject **iobj;      /* id -> hash object (strong), NULL: free */
+    uint32_t *iref;       /* id -> occurrences in kept sources */
+    uint32_t niobj, iobj_cap;
+    Vec ifree;   /* uint32: free interned ids */
+    Vec izero;   /* uint32: interned ids that may have fallen to 0 */
+    Vec ops;     /* Op */
+    Vec hb;      /* uint64: the ops' hashes */
+    Vec hf;      /* uint8: the ops' hashes' flags (1 interned, 2 absent: skip) */
+    Vec dead;    /* PyObject *: events of dropped sources, released under the GIL */
+    Vec stack;   /* uint32: sources to release (dependencies, iteratively) */
+    Vec depbuf;  /* uint32 */
+    int oom;
+    int busy;
+    unsigned long long gen; /* changes with every update (a walk checks it) */
+    /* counters as of the end of the last call (read while the table is busy) */
+    long long pub_held, pub_counts, pub_kept, pub_sources;
+    int stopped;
+    ScopeCache cache[NCACHE]; /* the last scopes looked up (cleared with the scopes) */
+    int cache_next;
+    size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
+    long long nbatches, nevents;   /* given to record_batch() */
+} State;
+
+static PyTypeObject State_Type;
+
+static void publish(State *st) {
+    st->pub_held = st->held;
+    st->pub_counts = st->counts;
+    st->pub_kept = st->kept;
+    st->pub_sources = st->nsources;
+}
+
+/* -- sources (no Python API: may run without the GIL) -- */
+
+static uint32_t src_alloc(State *st) {
+    if (st->free_head == NIL) {
+        uint32_t cap = st->nsrc_cap ? st->nsrc_cap * 2 : 256;
+        if (cap >= NIL || cap < st->nsrc_cap) return NIL;
+        Src *v = (Src *)realloc(st->src, (size_t)cap * sizeof(Src));
+        if (v == NULL) return NIL;
+        st->src = v;
+        for (uint32_t i = st->nsrc_cap; i < cap; i++) {
+            v[i].ev = NULL;
+            v[i].next = i + 1 < cap ? i + 1 : NIL;
+        }
+        st->free_head = st->nsrc_cap;
+        st->nsrc_cap = cap;
+    }
+    uint32_t id = st->free_head;
+    st->free_head = st->src[id].next;
+    return id;
+}
+
+/* The source `id` loses a reference; at 0 it is dropped, and its dependencies
+ * lose theirs (iteratively: a chain of parents may be long).  0 on OOM. */
+static int src_release_slow(State *st, uint32_t id);
+
+static inline int src_release(State *st, uint32_t id) {
+    if (st->src[id].refs > 1) { /* the usual case: still kept */
+        st->src[id].refs--;
+        return 1;
+    }
+    return src_release_slow(st, id);
+}
+
+static int src_release_slow(State *st, uint32_t id) {
+    st->stack.n = 0;
+    uint32_t *top = (uint32_t *)vec_push(&st->stack);
+    if (top == NULL) return 0;
+    *top = id;
+    while (st->stack.n > 0) {
+        uint32_t sid = VEC_AT(&st->stack, uint32_t, --st->stack.n);
+        Src *s = &st->src[sid];
+        if (--s->refs > 0) continue;
+        PyObject **d = (PyObject **)vec_push(&st->dead);
+        if (d == NULL) return 0;
+        *d = s->ev;
+        s->ev = NULL;
+        st->kept -= s->size;
+        st->nsources--;
+        if (s->ifl != NULL) {
+            const uint64_t *hs = src_hashes(s);
+            for (uint32_t j = 0; j < s->size; j++) {
+                if (!s->ifl[j]) continue;
+                uint32_t iid = (uint32_t)hs[j];
+                if (--st->iref[iid] == 0) {
+                    uint32_t *z = (uint32_t *)vec_push(&st->izero);
+                    if (z == NULL) return 0;
+                    *z = iid;
+                }
+            }
+        }
+        const uint32_t *deps = src_deps(s);
+        for (uint32_t k = 0; k < s->ndeps; k++) {
+            uint32_t *p = (uint32_t *)vec_push(&st->stack);
+            if (p == NULL) return 0;
+            *p = deps[k];
+            s = &st->src[sid]; /* (no realloc of src here, but keep it simple) */
+        }
+        if (s->size > 1) free(s->hs);
+        if (s->ndeps > 1) free(s->deps);
+        free(s->ifl);
+        s->hs = NULL;
+        s->ifl = NULL;
+        s->deps = NULL;
+        /* unlink from the recorded order, and free the slot */
+        if (s->prev != NIL) st->src[s->prev].next = s->next;
+        else st->head = s->next;
+        if (s->next != NIL) st->src[s->next].prev = s->prev;
+        else st->tail = s->prev;
+        s->next = st->free_head;
+        st->free_head = sid;
+    }
+    return 1;
+}
+
+/* A held key's source in scope `sk` (its IFLAG the hash's), else in any scope
+ * in their order; NIL when none holds it. */
+static uint32_t held_anywhere(State *st, uint64_t h, uint32_t sk) {
+    Ent *e = tab_find(&st->keys, h, sk);
+    if (e != NULL) return e->src;
+    uint32_t flag = sk & IFLAG;
+    for (uint32_t s = 0; s < st->nscopes; s++) {
+        if ((s | flag) == sk) continue; /* (looked at first) */
+        e = tab_find(&st->keys, h, s | flag);
+        if (e != NULL) return e->src;
+    }
+    return NIL;
+}
+
+static int apply_store(State *st, Op *op) {
+    const uint64_t *hb = &VEC_AT(&st->hb, uint64_t, op->h0);
+    const uint8_t *hf = &VEC_AT(&st->hf, uint8_t, op->h0);
+    uint32_t n = op->n, scope = op->scope;
+    st->depbuf.n = 0;
+    if (op->parent) {
+        uint32_t held = held_anywhere(st, op->parent_h, op->parent_sk | scope);
+        if (held != NIL) {
+            uint32_t *p = (uint32_t *)vec_push(&st->depbuf);
+            if (p == NULL) return 0;
+            *p = held;
+        }
+    }
+    if (!op->tokens) {
+        for (uint32_t j = 0; j < n; j++) {
+            uint32_t flag = hf[j] ? IFLAG : 0;
+            for (uint32_t s = 0; s < st->nscopes; s++) {
+                Ent *e = tab_find(&st->keys, hb[j], s | flag);
+                if (e == NULL || !st->src[e->src].tokens) continue;
+                int there = 0;
+                for (size_t k = 0; k < st->depbuf.n; k++)
+                    there |= VEC_AT(&st->depbuf, uint32_t, k) == e->src;
+                if (!there) {
+                    uint32_t *p = (uint32_t *)vec_push(&st->depbuf);
+                    if (p == NULL) return 0;
+                    *p = e->src;
+                }
+                break;
+            }
+        }
+    }
+    uint32_t sid = src_alloc(st);
+    if (sid == NIL) return 0;
+    Src *s = &st->src[sid];
+    memset(s, 0, sizeof(*s));
+    s->ev = op->ev;
+    op->ev = NULL; /* (the source owns it now) */
+    s->scope = scope;
+    s->size = n;
+    s->tokens = op->tokens;
+    s->ntok = op->ntok;
+    int any_interned = 0;
+    for (uint32_t j = 0; j < n; j++) any_interned |= hf[j];
+    if (n == 1) {
+        s->h1 = hb[0];
+    } else {
+        s->hs = (uint64_t *)malloc((size_t)n * sizeof(uint64_t));
+        if (s->hs == NULL) goto oom;
+        memcpy(s->hs, hb, (size_t)n * sizeof(uint64_t));
+    }
+    if (any_interned) {
+        s->ifl = (uint8_t *)malloc(n);
+        if (s->ifl == NULL) goto oom;
+        memcpy(s->ifl, hf, n);
+        for (uint32_t j = 0; j < n; j++)
+            if (hf[j]) st->iref[(uint32_t)hb[j]]++;
+    }
+    s->ndeps = (uint32_t)st->depbuf.n;
+    if (s->ndeps == 1) {
+        s->d1 = VEC_AT(&st->depbuf, uint32_t, 0);
+    } else if (s->ndeps > 1) {
+        s->deps = (uint32_t *)malloc(st->depbuf.n * sizeof(uint32_t));
+        if (s->deps == NULL) goto oom;
+        memcpy(s->deps, st->depbuf.p, st->depbuf.n * sizeof(uint32_t));
+    }
+    const uint32_t *deps = src_deps(s);
+    for (uint32_t k = 0; k < s->ndeps; k++) st->src[deps[k]].refs++;
+    /* link it last in the recorded order */
+    s->next = NIL;
+    s->prev = st->tail;
+    if (st->tail != NIL) st->src[st->tail].next = sid;
+    else st->head = sid;
+    st->tail = sid;
+    st->nsources++;
+    st->kept += n;
+    s->refs = 1; /* held for the loop below: a release cannot drop it */
+    uint32_t added = 0, names = 0;
+    for (uint32_t j = 0; j < n; j++) {
+        int made;
+        Ent *e = tab_put(&st->keys, hb[j], scope | (hf[j] ? IFLAG : 0), &made);
+        if (e == NULL) return 0;
+        uint32_t old = e->src;
+        e->src = sid;
+        e->count++;
+        if (made) {
+            added++;
+        } else if (old != sid) {
+            names++;
+            if (!src_release(st, old)) return 0;
+        } else {
+            st->src[sid].repeats = 1; /* a hash repeated in this event */
+        }
+    }
+    st->src[sid].refs += added + names - 1;
+    st->held += added;
+    st->counts += n;
+    return 1;
+oom:
+    /* a half-made source: the caller forgets the whole state */
+    return 0;
+}
+
+static int apply_remove(State *st, const Op *op) {
+    const uint64_t *hb = &VEC_AT(&st->hb, uint64_t, op->h0);
+    const uint8_t *hf = &VEC_AT(&st->hf, uint8_t, op->h0);
+    for (uint32_t j = 0; j < op->n; j++) {
+        if (hf[j] == 2) continue; /* an interned kind never stored: not held */
+        Ent *e = tab_find(&st->keys, hb[j], op->scope | (hf[j] ? IFLAG : 0));
+        if (e == NULL) continue; /* a removal of a key not held is a no-op */
+        st->counts--;
+        if (e->count > 1) {
+            e->count--;
+            continue;
+        }
+        uint32_t sid = e->src;
+        tab_del(&st->keys, e);
+        st->held--;
+        if (!src_release(st, sid)) return 0;
+    }
+    return 1;
+}
+
+/* Phase 2: the gathered ops, applied.  0 on OOM. */
+static int apply_ops(State *st) {
+    size_t nops = st->ops.n;
+    for (size_t k = 0; k < nops; k++) {
+        Op *op = &VEC_AT(&st->ops, Op, k);
+        /* the table slot of a later op's first hash (the loop's cache miss), fetched ahead */
+        if (k + 2 * AHEAD < nops && st->keys.cap > 0) {
+            const Op *p = &VEC_AT(&st->ops, Op, k + 2 * AHEAD);
+            uint64_t h = VEC_AT(&st->hb, uint64_t, p->h0);
+            uint32_t sk = p->scope | (VEC_AT(&st->hf, uint8_t, p->h0) ? IFLAG : 0);
+            __builtin_prefetch(&st->keys.e[tab_home(&st->keys, h, sk)]);
+            if (p->parent)
+                __builtin_prefetch(
+                    &st->keys.e[tab_home(&st->keys, p->parent_h, p->parent_sk | p->scope)]);
+        }
+        int ok = op->kind == STORED ? apply_store(st, op) : apply_remove(st, op);
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+/* Phase 3 (the GIL held): release dropped events, and interned hashes no kept
+ * source stores; drop ops not applied (after an error). */
+static void finish(State *st) {
+    for (size_t k = 0; k < st->ops.n; k++) Py_XDECREF(VEC_AT(&st->ops, Op, k).ev);
+    vec_trim(&st->ops);
+    vec_trim(&st->hb);
+    vec_trim(&st->hf);
+    for (size_t k = 0; k < st->izero.n; k++) {
+        uint32_t iid = VEC_AT(&st->izero, uint32_t, k);
+        PyObject *o = st->iobj[iid];
+        if (o == NULL || st->iref[iid] != 0) continue;
+        if (PyDict_DelItem(st->intern_ids, o) < 0) PyErr_Clear();
+        st->iobj[iid] = NULL;
+        Py_DECREF(o);
+        uint32_t *f = (uint32_t *)vec_push(&st->ifree);
+        if (f != NULL) *f = iid;
+    }
+    vec_trim(&st->izero);
+    /* (last: an event's release may run Python code) */
+    size_t nd = st->dead.n;
+    PyObject **dead = (PyObject **)st->dead.p;
+    st->dead.p = NULL;
+    st->dead.n = st->dead.cap = 0;
+    for (size_t k = 0; k < nd; k++) Py_XDECREF(dead[k]);
+    free(dead);
+}
+
+/* Forget everything (the GIL held). */
+static void forget(State *st) {
+    for (uint32_t i = 0; i < st->nsrc_cap; i++) {
+        Src *s = &st->src[i];
+        if (s->ev == NULL) continue;
+        PyObject **d = (PyObject **)vec_push(&st->dead);
+        if (d != NULL) *d = s->ev;
+        else Py_DECREF(s->ev); /* (OOM: released now) */
+        s->ev = NULL;
+        if (s->size > 1) free(s->hs);
+        if (s->ndeps > 1) free(s->deps);
+        free(s->ifl);
+    }
+    free(st->src);
+    st->src = NULL;
+    st->nsrc_cap = 0;
+    st->free_head = st->head = st->tail = NIL;
+    st->nsources = 0;
+    tab_free(&st->keys);
+    st->held = st->counts = st->kept = 0;
+    for (uint32_t i = 0; i < st->nscopes; i++) Py_CLEAR(st->scopes[i]);
+    st->nscopes = 0;
+    for (int k = 0; k < NCACHE; k++) cache_clear(&st->cache[k]);
+    if (st->scope_ids) PyDict_Clear(st->scope_ids);
+    for (uint32_t i = 0; i < st->niobj; i++) Py_CLEAR(st->iobj[i]);
+    st->niobj = 0;
+    if (st->intern_ids) PyDict_Clear(st->intern_ids);
+    vec_free(&st->ifree);
+    st->izero.n = 0;
+    st->gen++;
+    finish(st);
+    publish(st);
+}
+
+/* ---- phase 1: reading the events (the GIL held) ---------------------------- */
+
+/* The last scope looked up: its four values (strong references, compared by
+ * identity, then by value for str and int: decoded events hold equal strings
+ * that are not the same object) and its id (NIL: not interned). */
+static inline int same_value(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyUnicode_CheckExact(a) && PyUnicode_CheckExact(b)) {
+        Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+        if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) return 0;
+        const char *x = (const char *)PyUnicode_DATA(a), *y = (const char *)PyUnicode_DATA(b);
+        size_t len = (size_t)n * PyUnicode_KIND(a);
+        for (size_t i = 0; i < len; i++)
+            if (x[i] != y[i]) return 0;
+        return 1;
+    }
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int overflow_a = 0, overflow_b = 0;
+        long long x = PyLong_AsLongLongAndOverflow(a, &overflow_a);
+        long long y = PyLong_AsLongLongAndOverflow(b, &overflow_b);
+        return !overflow_a && !overflow_b && x == y;
+    }
+    return 0;
+}
+
+static inline PyObject *field(PyObject *ev, const TypeInfo *ti, int f) {
+    Py_ssize_t off = ti->off[f];
+    return off < 0 ? Py_None : FIELD(ev, off);
+}
+
+/* The scope id of ev (NIL: none interned and !create); -1 on a Python error
+ * (an unhashable value). */
+static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, int create) {
+    PyObject *v[4];
+    for (int k = 0; k < 4; k++) {
+        v[k] = field(ev, ti, F_MEDIUM + k);
+        if (v[k] == NULL) return -2; /* unset */
+    }
+    for (int k = 0; k < NCACHE; k++) {
+        ScopeCache *c = &st->cache[k];
+        if (c->valid && same_value(v[0], c->v[0]) &&
+            same_value(v[1], c->v[1]) && same_value(v[2], c->v[2]) && same_value(v[3], c->v[3])) {
+            uint32_t id = c->id;
+            if (k > 0) { /* the most recent first */
+                ScopeCache tmp = st->cache[0];
+                st->cache[0] = *c;
+                *c = tmp;
+            }
+            return id;
+        }
+    }
+    ScopeCache *c = &st->cache[st->cache_next];
+    st->cache_next = (st->cache_next + 1) % NCACHE;
+    PyObject *t = PyTuple_Pack(4, v[0], v[1], v[2], v[3]);
+    if (t == NULL) return -1;
+    PyObject *idobj = PyDict_GetItemWithError(st->scope_ids, t);
+    uint32_t id;
+    if (idobj != NULL) {
+        id = (uint32_t)PyLong_AsUnsignedLong(idobj);
+    } else if (PyErr_Occurred()) {
+        Py_DECREF(t);
+        return -1;
+    } else if (!create) {
+        Py_DECREF(t);
+        return NIL; /* (not remembered: a store may intern it later in this call) */
+    } else {
+        if (st->nscopes >= MAX_SCOPES) {
+            Py_DECREF(t);
+            PyErr_SetString(PyExc_OverflowError, "too many scopes");
+            return -1;
+        }
+        if (st->nscopes == st->scopes_cap) {
+            uint32_t cap = st->scopes_cap ? st->scopes_cap * 2 : 8;
+            PyObject **p = (PyObject **)realloc(st->scopes, cap * sizeof(PyObject *));
+            if (p == NULL) {
+                Py_DECREF(t);
+                PyErr_NoMemory();
+                return -1;
+            }
+            st->scopes = p;
+            st->scopes_cap = cap;
+        }
+        PyObject *num = PyLong_FromUnsignedLong(st->nscopes);
+        int err = num == NULL ? -1 : PyDict_SetItem(st->scope_ids, t, num);
+        Py_XDECREF(num);
+        if (err < 0) {
+            Py_DECREF(t);
+            return -1;
+        }
+        id = st->nscopes;
+        st->scopes[st->nscopes++] = Py_NewRef(t);
+    }
+    Py_DECREF(t);
+    cache_clear(c);
+    for (int k = 0; k < 4; k++) c->v[k] = Py_NewRef(v[k]);
+    c->id = id;
+    c->valid = 1;
+    return id;
+}
+
+/* A hash as a key: 1 read (*h, *flag: 0 plain, 1 interned, 2 an interned kind
+ * not interned and !create), 0 a kind it does not take, -1 a Python error. */
+static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *flag) {
+    if (PyLong_CheckExact(o) && long_u64(o, h)) {
+        *flag = 0;
+        return 1;
+    }
+    if (!PyLong_CheckExact(o) && !PyBytes_CheckExact(o) && !PyUnicode_CheckExact(o)) return 0;
+    PyObject *idobj = PyDict_GetItemWithError(st->intern_ids, o);
+    if (idobj != NULL) {
+        *h = PyLong_AsUnsignedLong(idobj);
+        *flag = 1;
+        return 1;
+    }
+    if (PyErr_Occurred()) return -1;
+    if (!create) {
+        *h = 0;
+        *flag = 2;
+        return 1;
+    }
+    uint32_t iid;
+    if (st->ifree.n > 0) {
+        iid = VEC_AT(&st->ifree, uint32_t, --st->ifree.n);
+    } else {
+        if (st->niobj == st->iobj_cap) {
+            uint32_t cap = st->iobj_cap ? st->iobj_cap * 2 : 64;
+            PyObject **p = (PyObject **)realloc(st->iobj, cap * sizeof(PyObject *));
+            if (p == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            st->iobj = p;
+            uint32_t *r = (uint32_t *)realloc(st->iref, cap * sizeof(uint32_t));
+            if (r == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            st->iref = r;
+            st->iobj_cap = cap;
+        }
+        iid = st->niobj++;
+    }
+    PyObject *num = PyLong_FromUnsignedLong(iid);
+    int err = num == NULL ? -1 : PyDict_SetItem(st->intern_ids, o, num);
+    Py_XDECREF(num);
+    uint32_t *z = err < 0 ? NULL : (uint32_t *)vec_push(&st->izero);
+    if (z == NULL) {
+        st->iobj[iid] = NULL;
+        uint32_t *f = (uint32_t *)vec_push(&st->ifree);
+        if (f != NULL) *f = iid;
+        if (err == 0) {
+            PyDict_DelItem(st->intern_ids, o);
+            PyErr_NoMemory();
+        }
+        return -1;
+    }
+    *z = iid;
+    st->iobj[iid] = Py_NewRef(o);
+    st->iref[iid] = 0;
+    *h = iid;
+    *flag = 1;
+    return 1;
+}
+
+/* Read one store or removal into an op.  1 read (or nothing to do), 0 an event
+ * it does not take, -1 a Python error. */
+static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
+    PyObject *hashes = FIELD(ev, ti->off[F_HASHES]);
+    if (hashes == NULL || !(PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes))) return 0;
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (n == 0) return 1; /* a store of none, a removal of none: nothing */
+    if (n >= (Py_ssize_t)1 << 31) return 0;
+    int store = ti->kind == STORED;
+    Op op;
+    memset(&op, 0, sizeof(op));
+    op.kind = ti->kind;
+    long long scope = scope_of(st, ev, ti, store);
+    if (scope == -2) return 0;
+    if (scope == -1) return -1;
+    if (scope == NIL) return 1; /* a removal in a scope never stored to: a no-op */
+    op.scope = (uint32_t)scope;
+    op.n = (uint32_t)n;
+    if (store) {
+        PyObject *parent = FIELD(ev, ti->off[F_PARENT]);
+        if (parent == NULL) return 0;
+        if (parent != Py_None) {
+            uint8_t flag;
+            int r = hash_key(st, parent, 0, &op.parent_h, &flag);
+            if (r <= 0) return r;
+            op.parent = flag != 2;
+            op.parent_sk = flag == 1 ? IFLAG : 0;
+        }
+        PyObject *toks = field(ev, ti, F_TOKENS);
+        if (toks == NULL) return 0;
+        if (toks == Py_None) {
+            op.ntok = 0;
+        } else if (PyList_CheckExact(toks) || PyTuple_CheckExact(toks)) {
+            op.ntok = PySequence_Fast_GET_SIZE(toks);
+        } else {
+            return 0;
+        }
+        op.tokens = op.ntok > 0;
+    }
+    size_t h0 = st->hb.n;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t *h = (uint64_t *)vec_push(&st->hb);
+        uint8_t *f = (uint8_t *)vec_push(&st->hf);
+        if (h == NULL || f == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        PyObject *o = items[j];
+        if (PyLong_CheckExact(o) && long_u64(o, h)) {
+            *f = 0;
+            continue;
+        }
+        int r = hash_key(st, o, store, h, f);
+        if (r <= 0) {
+            st->hb.n = st->hf.n = h0;
+            return r;
+        }
+    }
+    op.h0 = h0;
+    Op *slot = (Op *)vec_push(&st->ops);
+    if (slot == NULL) {
+        st->hb.n = st->hf.n = h0;
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (store) {
+        op.ev = Py_NewRef(ev);
+        st->store_ops++;
+        st->store_hashes += op.n;
+    }
+    *slot = op;
+    return 1;
+}
+
+/* Whether applying the ops gathered will grow the key table or the sources'
+ * array (a rehash or a copy of the whole state: done without the GIL). */
+static int will_grow(const State *st) {
+    return (st->keys.cap >= (1u << 13) && (st->keys.n + st->store_hashes + 1) * 2 > st->keys.cap) ||
+           (st->nsrc_cap >= (1u << 12) && (size_t)st->nsources + st->store_ops > st->nsrc_cap);
+}
+
+/* Whether the key table is to shrink (a rehash, likewise). */
+static int will_shrink(const State *st) {
+    return st->keys.cap > 1024 && st->keys.n * 8 <= st->keys.cap;
+}
+
+/* Whether a shrink is large enough to be done without the GIL. */
+static int big_shrink(const State *st) { return st->keys.cap >= (1u << 13) && will_shrink(st); }
+
+/* Phases 2 and 3 for the ops gathered.  The table is updated without the GIL
+ * for a call of many hashes, or one that grows or shrinks the state's arrays
+ * (so that no hold of the GIL copies the whole state).  0 on OOM (an
+ * exception set). */
+static int flush(State *st) {
+    int ok = 1;
+    if (st->ops.n > 0) {
+        st->gen++;
+        int nogil = g_nogil_from >= 0 && (st->hb.n >= (size_t)g_nogil_from || will_grow(st));
+        if (nogil) {
+            st->busy = 1;
+            cs_gil_releases_count++;
+            Py_BEGIN_ALLOW_THREADS
+            ok = apply_ops(st);
+            if (ok && will_shrink(st)) ok = tab_shrink(&st->keys);
+            Py_END_ALLOW_THREADS
+            st->busy = 0;
+        } else {
+            ok = apply_ops(st);
+        }
+    }
+    if (ok && will_shrink(st) && !big_shrink(st)) ok = tab_shrink(&st->keys);
+    if (ok && big_shrink(st)) {
+        st->busy = 1;
+        cs_gil_releases_count++;
+        Py_BEGIN_ALLOW_THREADS
+        ok = tab_shrink(&st->keys);
+        Py_END_ALLOW_THREADS
+        st->busy = 0;
+    }
+    st->store_ops = st->store_hashes = 0;
+    finish(st);
+    publish(st);
+    if (!ok) PyErr_NoMemory();
+    return ok;
+}
+
+static int check_free(State *st) {
+    if (st->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the recorder's state is being updated");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(record_doc,
+             "record(events, i[, max_blocks]) -> int\n\n"
+             "Apply events[i:] (a list); the index of the first event not applied, the\n"
+             "reason in `stopped` (see the module source's header); -1 when all were\n"
+             "applied and the counts' sum or the kept hashes exceed max_blocks.  On an\n"
+             "error (out of memory) raises: the caller forgets the state.");
+
+static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "record(events: list, i: int[, max_blocks: int])");
         return NULL;
     }
-    PyObject *sources = args[0], *refs = args[1], *unused = args[2];
-    long long n[4];
-    if (read_counters(args[3], n) < 0) return NULL;
-    while (PyList_GET_SIZE(unused) > 0) {
-        Py_ssize_t last = PyList_GET_SIZE(unused) - 1;
-        PyObject *sid = Py_NewRef(PyList_GET_ITEM(unused, last));
-        int err = PyList_SetSlice(unused, last, last + 1, NULL);
-        PyObject *source = err < 0 ? NULL : PyDict_GetItemWithError(sources, sid);
-        PyObject *r = source == NULL ? NULL : PyDict_GetItemWithError(refs, sid);
-        if (r == NULL) {
-            Py_DECREF(sid);
-            if (PyErr_Occurred()) return NULL;
-            continue; /* (collected already) */
-        }
-        long long left = PyLong_AsLongLong(r);
-        if (left == -1 && PyErr_Occurred()) err = -1;
-        if (err == 0 && left <= 0) {
-            Py_INCREF(source);
-            if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 5 ||
-                !PyTuple_Check(PyTuple_GET_ITEM(source, DEPS))) {
-                PyErr_SetString(PyExc_TypeError, "a source is not a 5-tuple");
-                err = -1;
-            }
-            if (err == 0) err = PyDict_DelItem(sources, sid);
-            if (err == 0) err = PyDict_DelItem(refs, sid);
-            long long size = err < 0 ? 0 : PyLong_AsLongLong(PyTuple_GET_ITEM(source, SIZE));
-            if (size == -1 && PyErr_Occurred()) err = -1;
-            if (err == 0) {
-                n[KEPT] -= size;
-                PyObject *deps = PyTuple_GET_ITEM(source, DEPS);
-                for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(deps) && err == 0; d++)
-                    err = release(refs, unused, PyTuple_GET_ITEM(deps, d));
-            }
-            Py_DECREF(source);
-        }
-        Py_DECREF(sid);
-        if (err < 0) return NULL;
+    long long max_blocks = -1;
+    if (nargs == 3) {
+        max_blocks = PyLong_AsLongLong(args[2]);
+        if (max_blocks == -1 && PyErr_Occurred()) return NULL;
     }
-    if (write_counters(args[3], n) < 0) return NULL;
+    if (!check_free(st)) return NULL;
+    PyObject *events = args[0];
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0) i = 0;
+    Py_INCREF(events);
+    const TypeInfo *ti = NULL;
+    st->stopped = STOP_DONE;
+    st->ops.item = sizeof(Op);
+    int failed = 0;
+    Py_ssize_t nev = PyList_GET_SIZE(events);
+    for (; i < nev; i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        /* the objects the loop reads, fetched ahead: an event, then its lists, then
+         * its first hash (only for events of the class of this one) */
+        if (i + 3 * AHEAD < nev) __builtin_prefetch(PyList_GET_ITEM(events, i + 3 * AHEAD));
+        if (ti != NULL && (ti->kind == STORED || ti->kind == REMOVED)) {
+            if (i + 2 * AHEAD < nev) {
+                PyObject *ahead = PyList_GET_ITEM(events, i + 2 * AHEAD);
+                if (Py_TYPE(ahead) == ti->type) {
+                    PyObject *hs = FIELD(ahead, ti->off[F_HASHES]);
+                    if (hs != NULL) __builtin_prefetch(hs);
+                    if (ti->off[F_TOKENS] >= 0) {
+                        PyObject *tk = FIELD(ahead, ti->off[F_TOKENS]);
+                        if (tk != NULL) __builtin_prefetch(tk);
+                    }
+                }
+            }
+            if (i + AHEAD < nev) {
+                PyObject *ahead = PyList_GET_ITEM(events, i + AHEAD);
+                if (Py_TYPE(ahead) == ti->type) {
+                    PyObject *hs = FIELD(ahead, ti->off[F_HASHES]);
+                    if (hs != NULL && PyList_CheckExact(hs) && PyList_GET_SIZE(hs) > 0)
+                        __builtin_prefetch(PyList_GET_ITEM(hs, 0));
+                }
+            }
+        }
+        if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(Py_TYPE(ev));
+        if (ti == NULL) {
+            st->stopped = STOP_UNKNOWN;
+            break;
+        }
+        if (ti->kind == OTHER) continue;
+        if (ti->kind == MOVED) {
+            st->stopped = STOP_MOVE;
+            break;
+        }
+        if (ti->kind == CLEARED) {
+            if (!flush(st)) {
+                failed = 1;
+                break;
+            }
+            forget(st);
+            continue;
+        }
+        if (ti->kind == UNREADABLE) {
+            st->stopped = STOP_PYTHON;
+            break;
+        }
+        int r = read_event(st, ev, ti);
+        if (r < 0) {
+            PyErr_Clear(); /* the Python recorder meets it again, and says what it is */
+            r = 0;
+        }
+        if (r == 0) {
+            st->stopped = STOP_PYTHON;
+            break;
+        }
+    }
+    if (!flush(st)) failed = 1;
+    Py_DECREF(events);
+    if (failed) return NULL;
+    if (i == nev && max_blocks >= 0 && (st->counts > max_blocks || st->kept > max_blocks))
+        return PyLong_FromLong(-1); /* applied, and over the budget */
+    return PyLong_FromSsize_t(i);
+}
+
+static PyObject *s_events = NULL;
+
+PyDoc_STRVAR(record_batch_doc,
+             "record_batch(batch, max_blocks) -> int\n\n"
+             "record(batch.events, 0, max_blocks) for a batch whose events are a list,\n"
+             "counted in `batches` and `events`: -2 when all were applied within the\n"
+             "budget, -1 when over it, else the index where it stopped (`stopped`);\n"
+             "-3, nothing done nor counted, when the events are not a list.");
+
+static PyObject *State_record_batch(State *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "record_batch(batch, max_blocks)");
+        return NULL;
+    }
+    PyObject *events = PyObject_GetAttr(args[0], s_events);
+    if (events == NULL) return NULL;
+    if (!PyList_CheckExact(events)) {
+        Py_DECREF(events);
+        return PyLong_FromLong(-3);
+    }
+    st->nbatches++;
+    st->nevents += PyList_GET_SIZE(events);
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *call[3] = {events, zero, args[1]};
+    PyObject *r = zero == NULL ? NULL : State_record(st, call, 3);
+    Py_XDECREF(zero);
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    Py_DECREF(events);
+    if (r == NULL) return NULL;
+    Py_ssize_t i = PyLong_AsSsize_t(r);
+    Py_DECREF(r);
+    if (i == n) return PyLong_FromLong(-2);
+    return PyLong_FromSsize_t(i);
+}
+
+static PyObject *State_clear(State *st, PyObject *unused) {
+    if (!check_free(st)) return NULL;
+    forget(st);
     Py_RETURN_NONE;
 }
 
-static PyMethodDef methods[] = {
-    {"record", (PyCFunction)(void (*)(void))cr_record, METH_FASTCALL, record_doc},
-    {"collect", (PyCFunction)(void (*)(void))cr_collect, METH_FASTCALL, collect_doc},
+/* A key's hash as the Python object (a new reference). */
+static PyObject *key_object(State *st, uint64_t h, uint32_t sk) {
+    if (sk & IFLAG) return Py_NewRef(st->iobj[(uint32_t)h]);
+    return PyLong_FromUnsignedLongLong((unsigned long long)h);
+}
+
+PyDoc_STRVAR(export_doc,
+             "export() -> (live, sources, refs, n)\n\n"
+             "The state in the Python recorder's form, source ids renumbered 0.. in\n"
+             "recorded order.  O(keys + sources).");
+
+static PyObject *State_export(State *st, PyObject *unused) {
+    if (!check_free(st)) return NULL;
+    PyObject *live = NULL, *sources = NULL, *refs = NULL, *out = NULL;
+    PyObject **tables = NULL;
+    uint32_t *order = NULL;
+    if (st->nsrc_cap > 0) {
+        order = (uint32_t *)malloc((size_t)st->nsrc_cap * sizeof(uint32_t));
+        if (order == NULL) return PyErr_NoMemory();
+    }
+    uint32_t k = 0;
+    for (uint32_t sid = st->head; sid != NIL; sid = st->src[sid].next) order[sid] = k++;
+    live = PyDict_New();
+    sources = PyDict_New();
+    refs = PyDict_New();
+    tables = (PyObject **)calloc(st->nscopes + 1, sizeof(PyObject *));
+    if (live == NULL || sources == NULL || refs == NULL || tables == NULL) goto done;
+    for (uint32_t s = 0; s < st->nscopes; s++) {
+        tables[s] = PyDict_New();
+        if (tables[s] == NULL || PyDict_SetItem(live, st->scopes[s], tables[s]) < 0) goto done;
+    }
+    for (size_t j = 0; j < st->keys.cap; j++) {
+        Ent *e = &st->keys.e[j];
+        if (e->sk == EMPTY) continue;
+        PyObject *h = key_object(st, e->h, e->sk);
+        PyObject *v = PyLong_FromLongLong(((long long)order[e->src] << 32) | e->count);
+        int err = h == NULL || v == NULL ? -1 : PyDict_SetItem(tables[e->sk & ~IFLAG], h, v);
+        Py_XDECREF(h);
+        Py_XDECREF(v);
+        if (err < 0) goto done;
+    }
+    for (uint32_t sid = st->head; sid != NIL; sid = st->src[sid].next) {
+        Src *s = &st->src[sid];
+        PyObject *deps = PyTuple_New(s->ndeps);
+        if (deps == NULL) goto done;
+        const uint32_t *d = src_deps(s);
+        for (uint32_t j = 0; j < s->ndeps; j++) {
+            PyObject *x = PyLong_FromUnsignedLong(order[d[j]]);
+            if (x == NULL) {
+                Py_DECREF(deps);
+                goto done;
+            }
+            PyTuple_SET_ITEM(deps, j, x);
+        }
+        PyObject *id = PyLong_FromUnsignedLong(order[sid]);
+        PyObject *tup = Py_BuildValue("(OONOI)", s->ev, st->scopes[s->scope], deps,
+                                      s->tokens ? Py_True : Py_False, (unsigned int)s->size);
+        PyObject *r = PyLong_FromUnsignedLong(s->refs);
+        int err = id == NULL || tup == NULL || r == NULL ? -1 : PyDict_SetItem(sources, id, tup);
+        if (err == 0) err = PyDict_SetItem(refs, id, r);
+        Py_XDECREF(id);
+        Py_XDECREF(tup);
+        Py_XDECREF(r);
+        if (err < 0) goto done;
+    }
+    out = Py_BuildValue("(OOO[ILLL])", live, sources, refs, (unsigned int)k, st->held,
+                        st->counts, st->kept);
+done:
+    if (tables != NULL)
+        for (uint32_t s = 0; s < st->nscopes; s++) Py_XDECREF(tables[s]);
+    free(tables);
+    free(order);
+    Py_XDECREF(live);
+    Py_XDECREF(sources);
+    Py_XDECREF(refs);
+    return out;
+}
+
+static PyObject *State_stopped(State *st, void *closure) { return PyLong_FromLong(st->stopped); }
+static PyObject *State_batches(State *st, void *closure) {
+    return PyLong_FromLongLong(st->nbatches);
+}
+static PyObject *State_events(State *st, void *closure) {
+    return PyLong_FromLongLong(st->nevents);
+}
+static PyObject *State_held(State *st, void *closure) { return PyLong_FromLongLong(st->pub_held); }
+static PyObject *State_counts(State *st, void *closure) {
+    return PyLong_FromLongLong(st->pub_counts);
+}
+static PyObject *State_kept(State *st, void *closure) { return PyLong_FromLongLong(st->pub_kept); }
+static PyObject *State_sources(State *st, void *closure) {
+    return PyLong_FromLongLong(st->pub_sources);
+}
+
+static PyObject *State_nbytes(State *st, void *closure) {
+    size_t b = st->keys.cap * sizeof(Ent) + (size_t)st->nsrc_cap * sizeof(Src);
+    for (uint32_t sid = st->head; sid != NIL; sid = st->src[sid].next) {
+        Src *s = &st->src[sid];
+        if (s->size > 1) b += s->size * sizeof(uint64_t);
+        if (s->ifl) b += s->size;
+        if (s->ndeps > 1) b += s->ndeps * sizeof(uint32_t);
+    }
+    return PyLong_FromSize_t(b);
+}
+
+/* ---- the walk: the replay program ------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    State *st;
+    unsigned long long gen;
+    Py_ssize_t max_events, max_tokens, max_work, per_event;
+    PyObject *make_removed; /* (hashes, medium, group_idx, locality, ownership) -> event */
+    int phase, stage, ended;
+    uint32_t cur;     /* phase 0: the next source */
+    size_t mi;        /* phase 1: the index in multi */
+    uint32_t msid;    /* phase 1: the source of multi[mi] */
+    Tab foreign;      /* key -> stores of it by sources not naming it */
+    Vec fkeys;        /* Ent: the foreign keys in their first order */
+    Vec multi;        /* Ent: keys held more than once, as named */
+    Tab again;        /* (sid, 0) -> times sent again */
+    Vec again_order;  /* uint32 */
+    Vec repeats;      /* uint32: sources that store a hash more than once */
+    PyObject *removals; /* phase 2: a list of events */
+    Py_ssize_t ri;
+} Walk;
+
+static PyTypeObject Walk_Type;
+
+/* Occurrences of (h, sk) in source s. */
+static uint32_t per_source(const Src *s, uint64_t h, uint32_t sk) {
+    if (!s->repeats) return 1;
+    const uint64_t *hs = src_hashes(s);
+    uint32_t c = 0;
+    for (uint32_t j = 0; j < s->size; j++) c += hs[j] == h && src_sk(s, j) == sk;
+    return c;
+}
+
+/* One sending of source sid: its stores of keys it does not name to foreign;
+ * the first time, keys it names held more than once to multi. 0 on OOM. */
+static int scan(Walk *w, uint32_t sid, int first) {
+    State *st = w->st;
+    const Src *s = &st->src[sid];
+    const uint64_t *hs = src_hashes(s);
+    for (uint32_t j = 0; j < s->size; j++) {
+        uint32_t sk = src_sk(s, j);
+        Ent *e = tab_find(&st->keys, hs[j], sk);
+        if (e == NULL || e->src != sid) {
+            int made;
+            Ent *f = tab_put(&w->foreign, hs[j], sk, &made);
+            if (f == NULL) return 0;
+            f->count++;
+            if (made) {
+                Ent *k = (Ent *)vec_push(&w->fkeys);
+                if (k == NULL) return 0;
+                *k = *f;
+            }
+        } else if (first && e->count > 1) {
+            Ent *k = (Ent *)vec_push(&w->multi);
+            if (k == NULL) return 0;
+            *k = *e;
+        }
+    }
+    if (first && s->repeats) {
+        uint32_t *p = (uint32_t *)vec_push(&w->repeats);
+        if (p == NULL) return 0;
+        *p = sid;
+    }
+    return 1;
+}
+
+static uint32_t again_of(Walk *w, uint32_t sid) {
+    Ent *e = tab_find(&w->again, sid, 0);
+    return e == NULL ? 0 : e->count;
+}
+
+static uint32_t foreign_of(Walk *w, uint64_t h, uint32_t sk) {
+    Ent *e = tab_find(&w->foreign, h, sk);
+    return e == NULL ? 0 : e->count;
+}
+
+/* Phase 2's events: the stores too many, per scope, as removals. */
+static PyObject *excess(Walk *w) {
+    State *st = w->st;
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    uint32_t ns = st->nscopes;
+    uint32_t *rank = (uint32_t *)malloc((ns + 1) * sizeof(uint32_t));
+    uint32_t *order = (uint32_t *)malloc((ns + 1) * sizeof(uint32_t));
+    Vec srcs = {NULL, 0, 0, sizeof(uint32_t)};
+    Tab seen = {NULL, 0, 0};
+    PyObject *hashes = NULL;
+    if (rank == NULL || order == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    uint32_t nord = 0;
+    for (uint32_t s = 0; s < ns; s++) rank[s] = NIL;
+    for (size_t k = 0; k < w->fkeys.n; k++) {
+        uint32_t s = VEC_AT(&w->fkeys, Ent, k).sk & ~IFLAG;
+        if (rank[s] == NIL) rank[s] = nord, order[nord++] = s;
+    }
+    Vec *lists[2] = {&w->again_order, &w->repeats};
+    for (int l = 0; l < 2; l++)
+        for (size_t k = 0; k < lists[l]->n; k++) {
+            uint32_t sid = VEC_AT(lists[l], uint32_t, k);
+            uint32_t *p = (uint32_t *)vec_push(&srcs);
+            if (p == NULL) {
+                PyErr_NoMemory();
+                goto fail;
+            }
+            *p = sid;
+            uint32_t s = st->src[sid].scope;
+            if (rank[s] == NIL) rank[s] = nord, order[nord++] = s;
+        }
+    for (uint32_t r = 0; r < nord; r++) {
+        uint32_t scope = order[r];
+        hashes = PyList_New(0);
+        if (hashes == NULL) goto fail;
+        /* the scope's keys: its foreign ones, then its again/repeats sources' hashes */
+        size_t nf = w->fkeys.n;
+        for (size_t k = 0; k < nf + srcs.n; k++) {
+            const uint64_t *hs;
+            const Src *s = NULL;
+            uint32_t cnt;
+            uint64_t one;
+            uint32_t onesk;
+            if (k < nf) {
+                Ent *f = &VEC_AT(&w->fkeys, Ent, k);
+                if ((f->sk & ~IFLAG) != scope) continue;
+                one = f->h;
+                onesk = f->sk;
+                hs = &one;
+                cnt = 1;
+            } else {
+                s = &st->src[VEC_AT(&srcs, uint32_t, k - nf)];
+                if (s->scope != scope) continue;
+                hs = src_hashes(s);
+                cnt = s->size;
+                onesk = 0;
+            }
+            for (uint32_t j = 0; j < cnt; j++) {
+                uint32_t sk = s == NULL ? onesk : src_sk(s, j);
+                int made;
+                Ent *x = tab_put(&seen, hs[j], sk, &made);
+                if (x == NULL) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                if (!made) continue;
+                long long stored = foreign_of(w, hs[j], sk);
+                Ent *e = tab_find(&st->keys, hs[j], sk);
+                if (e != NULL) {
+                    const Src *named = &st->src[e->src];
+                    stored += (long long)per_source(named, hs[j], sk) * (1 + again_of(w, e->src)) -
+                              e->count;
+                }
+                if (stored <= 0) continue;
+                PyObject *obj = key_object(st, hs[j], sk);
+                if (obj == NULL) goto fail;
+                for (long long c = 0; c < stored; c++)
+                    if (PyList_Append(hashes, obj) < 0) {
+                        Py_DECREF(obj);
+                        goto fail;
+                    }
+                Py_DECREF(obj);
+            }
+        }
+        PyObject *scope_t = st->scopes[scope];
+        Py_ssize_t nh = PyList_GET_SIZE(hashes);
+        for (Py_ssize_t a = 0; a < nh; a += w->per_event) {
+            Py_ssize_t b = a + w->per_event < nh ? a + w->per_event : nh;
+            PyObject *part = PyList_GetSlice(hashes, a, b);
+            if (part == NULL) goto fail;
+            PyObject *ev = PyObject_CallFunctionObjArgs(
+                w->make_removed, part, PyTuple_GET_ITEM(scope_t, 0), PyTuple_GET_ITEM(scope_t, 1),
+                PyTuple_GET_ITEM(scope_t, 2), PyTuple_GET_ITEM(scope_t, 3), NULL);
+            Py_DECREF(part);
+            if (ev == NULL) goto fail;
+            int err = PyList_Append(out, ev);
+            Py_DECREF(ev);
+            if (err < 0) goto fail;
+        }
+        Py_CLEAR(hashes);
+    }
+    free(rank);
+    free(order);
+    vec_free(&srcs);
+    tab_free(&seen);
+    return out;
+fail:
+    Py_XDECREF(hashes);
+    free(rank);
+    free(order);
+    vec_free(&srcs);
+    tab_free(&seen);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* The program's next item: 1 an event (*ev borrowed, *ntok its tokens), 2 work
+ * (*work hashes looked at), 0 the end, -1 an error. */
+static int produce(Walk *w, PyObject **ev, Py_ssize_t *ntok, Py_ssize_t *work) {
+    State *st = w->st;
+    for (;;) {
+        if (w->phase == 0) {
+            if (w->cur == NIL) {
+                w->phase = 1;
+                w->stage = 0;
+                w->mi = 0;
+                continue;
+            }
+            Src *s = &st->src[w->cur];
+            if (w->stage == 0) {
+                w->stage = 1;
+                *ev = s->ev;
+                *ntok = s->ntok;
+                return 1;
+            }
+            if (!scan(w, w->cur, 1)) goto oom;
+            *work = s->size;
+            w->cur = s->next;
+            w->stage = 0;
+            return 2;
+        }
+        if (w->phase == 1) {
+            if (w->mi >= w->multi.n) {
+                w->phase = 2;
+                w->removals = excess(w);
+                if (w->removals == NULL) return -1;
+                w->ri = 0;
+                continue;
+            }
+            Ent *k = &VEC_AT(&w->multi, Ent, w->mi);
+            if (w->stage == 0) {
+                w->stage = 1;
+                if ((w->mi + 1) % 256 == 0) {
+                    *work = 256;
+                    return 2;
+                }
+            }
+            if (w->stage == 1) {
+                Ent *e = tab_find(&st->keys, k->h, k->sk);
+                uint32_t sid = e->src;
+                const Src *s = &st->src[sid];
+                long long per = per_source(s, k->h, k->sk);
+                if (per * (1 + again_of(w, sid)) + foreign_of(w, k->h, k->sk) < e->count) {
+                    w->stage = 2;
+                    w->msid = sid;
+                    *ev = s->ev;
+                    *ntok = s->ntok;
+                    return 1;
+                }
+                w->mi++;
+                w->stage = 0;
+                continue;
+            }
+            /* stage 2: it was sent again */
+            int made;
+            Ent *a = tab_put(&w->again, w->msid, 0, &made);
+            if (a == NULL) goto oom;
+            if (a->count++ == 0) {
+                uint32_t *p = (uint32_t *)vec_push(&w->again_order);
+                if (p == NULL) goto oom;
+                *p = w->msid;
+            }
+            if (!scan(w, w->msid, 0)) goto oom;
+            *work = st->src[w->msid].size;
+            w->stage = 1;
+            return 2;
+        }
+        if (w->phase == 2) {
+            if (w->ri >= PyList_GET_SIZE(w->removals)) {
+                w->phase = 3;
+                return 0;
+            }
+            *ev = PyList_GET_ITEM(w->removals, w->ri++);
+            PyObject *toks = PyObject_GetAttrString(*ev, "token_ids");
+            if (toks == NULL) {
+                PyErr_Clear();
+                *ntok = 0;
+            } else {
+                *ntok = toks == Py_None ? 0 : PyObject_Length(toks);
+                Py_DECREF(toks);
+                if (*ntok < 0) return -1;
+            }
+            return 1;
+        }
+        return 0;
+    }
+oom:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static void walk_release(Walk *w) {
+    tab_free(&w->foreign);
+    tab_free(&w->again);
+    vec_free(&w->fkeys);
+    vec_free(&w->multi);
+    vec_free(&w->again_order);
+    vec_free(&w->repeats);
+    Py_CLEAR(w->removals);
+    w->ended = 1;
+}
+
+PyDoc_STRVAR(walk_next_doc,
+             "next() -> list | None\n\n"
+             "The program's next chunk (a list of events, maybe empty), or None at its\n"
+             "end.  Raises RuntimeError if the state changed since the walk began.");
+
+static PyObject *Walk_next(Walk *w, PyObject *unused) {
+    if (w->ended) Py_RETURN_NONE;
+    if (w->st->gen != w->gen || w->st->busy) {
+        walk_release(w);
+        PyErr_SetString(PyExc_RuntimeError, "the recorder changed during the walk");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    Py_ssize_t tokens = 0, work = 0;
+    for (;;) {
+        PyObject *ev = NULL;
+        Py_ssize_t ntok = 0, n = 0;
+        int r = produce(w, &ev, &ntok, &n);
+        if (r < 0) {
+            Py_DECREF(out);
+            walk_release(w);
+            return NULL;
+        }
+        if (r == 0) {
+            walk_release(w);
+            if (PyList_GET_SIZE(out) > 0) return out;
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        if (r == 2) {
+            work += n;
+            if (work < w->max_work) continue;
+        } else {
+            if (PyList_Append(out, ev) < 0) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            tokens += ntok;
+            if (PyList_GET_SIZE(out) < w->max_events && tokens < w->max_tokens) continue;
+        }
+        return out;
+    }
+}
+
+static PyObject *Walk_close(Walk *w, PyObject *unused) {
+    walk_release(w);
+    Py_RETURN_NONE;
+}
+
+static void Walk_dealloc(Walk *w) {
+    walk_release(w);
+    Py_XDECREF(w->st);
+    Py_XDECREF(w->make_removed);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyMethodDef Walk_methods[] = {
+    {"next", (PyCFunction)Walk_next, METH_NOARGS, walk_next_doc},
+    {"close", (PyCFunction)Walk_close, METH_NOARGS, "close() -> None: end the walk now."},
     {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject Walk_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "coalesce._crecord.Walk",
+    .tp_basicsize = sizeof(Walk),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Walk_dealloc,
+    .tp_methods = Walk_methods,
+    .tp_doc = "A walk of the replay program (State.walk).",
+};
+
+PyDoc_STRVAR(walk_doc,
+             "walk(max_events, max_tokens, max_work, per_event, make_removed) -> Walk\n\n"
+             "The replay program, a chunk per Walk.next(), as Recorder.chunks() cuts it;\n"
+             "make_removed(hashes, medium, group_idx, locality, ownership) builds a removal.");
+
+static PyObject *State_walk(State *st, PyObject *args) {
+    Py_ssize_t me, mt, mw, pe;
+    PyObject *make;
+    if (!PyArg_ParseTuple(args, "nnnnO", &me, &mt, &mw, &pe, &make)) return NULL;
+    if (!check_free(st)) return NULL;
+    if (pe < 1) {
+        PyErr_SetString(PyExc_ValueError, "per_event must be positive");
+        return NULL;
+    }
+    Walk *w = PyObject_New(Walk, &Walk_Type);
+    if (w == NULL) return NULL;
+    w->st = (State *)Py_NewRef(st);
+    w->gen = st->gen;
+    w->max_events = me;
+    w->max_tokens = mt;
+    w->max_work = mw;
+    w->per_event = pe;
+    w->make_removed = Py_NewRef(make);
+    w->phase = w->stage = w->ended = 0;
+    w->cur = st->head;
+    w->mi = 0;
+    w->msid = NIL;
+    memset(&w->foreign, 0, sizeof(Tab));
+    memset(&w->again, 0, sizeof(Tab));
+    Vec ent = {NULL, 0, 0, sizeof(Ent)}, u32 = {NULL, 0, 0, sizeof(uint32_t)};
+    w->fkeys = w->multi = ent;
+    w->again_order = w->repeats = u32;
+    w->removals = NULL;
+    w->ri = 0;
+    return (PyObject *)w;
+}
+
+/* ---- the State type ----------------------------------------------------------- */
+
+static void state_init_fields(State *st) {
+    memset(&st->keys, 0, sizeof(Tab));
+    st->src = NULL;
+    st->nsrc_cap = 0;
+    st->free_head = st->head = st->tail = NIL;
+    st->nsources = 0;
+    st->held = st->counts = st->kept = 0;
+    st->scopes = NULL;
+    st->nscopes = st->scopes_cap = 0;
+    st->iobj = NULL;
+    st->iref = NULL;
+    st->niobj = st->iobj_cap = 0;
+    Vec u32 = {NULL, 0, 0, sizeof(uint32_t)};
+    st->ifree = st->izero = st->stack = st->depbuf = u32;
+    Vec ops = {NULL, 0, 0, sizeof(Op)}, u64 = {NULL, 0, 0, sizeof(uint64_t)};
+    Vec u8 = {NULL, 0, 0, 1}, ptr = {NULL, 0, 0, sizeof(PyObject *)};
+    st->ops = ops;
+    st->hb = u64;
+    st->hf = u8;
+    st->dead = ptr;
+    st->oom = st->busy = 0;
+    st->gen = 0;
+    st->stopped = 0;
+    memset(&st->cache, 0, sizeof(st->cache));
+    st->cache_next = 0;
+    st->store_ops = st->store_hashes = 0;
+    st->nbatches = st->nevents = 0;
+    publish(st);
+}
+
+static PyObject *State_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    State *st = (State *)type->tp_alloc(type, 0);
+    if (st == NULL) return NULL;
+    state_init_fields(st);
+    st->scope_ids = PyDict_New();
+    st->intern_ids = PyDict_New();
+    if (st->scope_ids == NULL || st->intern_ids == NULL) {
+        Py_DECREF(st);
+        return NULL;
+    }
+    return (PyObject *)st;
+}
+
+static void State_dealloc(State *st) {
+    forget(st);
+    free(st->scopes);
+    free(st->iobj);
+    free(st->iref);
+    vec_free(&st->ifree);
+    vec_free(&st->izero);
+    vec_free(&st->ops);
+    vec_free(&st->hb);
+    vec_free(&st->hf);
+    vec_free(&st->dead);
+    vec_free(&st->stack);
+    vec_free(&st->depbuf);
+    Py_XDECREF(st->scope_ids);
+    Py_XDECREF(st->intern_ids);
+    Py_TYPE(st)->tp_free((PyObject *)st);
+}
+
+static PyMethodDef State_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))State_record, METH_FASTCALL, record_doc},
+    {"record_batch", (PyCFunction)(void (*)(void))State_record_batch, METH_FASTCALL,
+     record_batch_doc},
+    {"clear", (PyCFunction)State_clear, METH_NOARGS, "clear() -> None: forget everything."},
+    {"export", (PyCFunction)State_export, METH_NOARGS, export_doc},
+    {"walk", (PyCFunction)State_walk, METH_VARARGS, walk_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef State_getset[] = {
+    {"stopped", (getter)State_stopped, NULL, "why the last record() stopped", NULL},
+    {"batches", (getter)State_batches, NULL, "batches given to record_batch()", NULL},
+    {"events", (getter)State_events, NULL, "their events", NULL},
+    {"held", (getter)State_held, NULL, "keys held", NULL},
+    {"counts", (getter)State_counts, NULL, "the counts' sum", NULL},
+    {"kept", (getter)State_kept, NULL, "the kept sources' hashes", NULL},
+    {"sources", (getter)State_sources, NULL, "kept sources", NULL},
+    {"nbytes", (getter)State_nbytes, NULL, "bytes of C memory (table, sources)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject State_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "coalesce._crecord.State",
+    .tp_basicsize = sizeof(State),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = State_new,
+    .tp_dealloc = (destructor)State_dealloc,
+    .tp_methods = State_methods,
+    .tp_getset = State_getset,
+    .tp_doc = "The recorder's state in C (see coalesce/_crecord.c).",
+};
+
+/* ---- registration -------------------------------------------------------------- */
+
+PyDoc_STRVAR(register_doc,
+             "register(cls, kind) -> bool\n\n"
+             "Record a class's kind and the slot offsets of the fields the loop reads.\n"
+             "A store or removal class whose fields are not all slots it can read (a\n"
+             "required one missing) is registered as UNREADABLE: the loop hands its\n"
+             "events to the Python recorder.  False when the table of classes is full.");
+
+static PyObject *cr_register(PyObject *self, PyObject *args) {
+    PyObject *cls;
+    int kind;
+    if (!PyArg_ParseTuple(args, "O!i", &PyType_Type, &cls, &kind)) return NULL;
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    if (find_type(tp) != NULL) Py_RETURN_TRUE;
+    if (g_ntypes >= MAX_TYPES) Py_RETURN_FALSE;
+    TypeInfo ti;
+    memset(&ti, 0, sizeof(ti));
+    ti.kind = kind < 0 || kind > UNREADABLE ? OTHER : kind;
+    for (int f = 0; f < NF; f++) {
+        ti.off[f] = -1;
+        if (ti.kind != STORED && ti.kind != REMOVED) continue;
+        PyObject *name = PyUnicode_InternFromString(FIELD_NAMES[f]);
+        if (name == NULL) return NULL;
+        int has = PyObject_HasAttr(cls, name);
+        ti.off[f] = member_offset(tp, name);
+        Py_DECREF(name);
+        if (has && ti.off[f] < 0) ti.kind = UNREADABLE; /* a field, but not a slot */
+    }
+    if (ti.kind == STORED && (ti.off[F_HASHES] < 0 || ti.off[F_PARENT] < 0)) ti.kind = UNREADABLE;
+    if (ti.kind == REMOVED && ti.off[F_HASHES] < 0) ti.kind = UNREADABLE;
+    Py_INCREF(tp);
+    ti.type = tp;
+    g_types[g_ntypes++] = ti;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *cr_set_nogil_from(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t was = g_nogil_from;
+    g_nogil_from = n;
+    return PyLong_FromSsize_t(was);
+}
+
+static PyMethodDef methods[] = {
+    {"register", cr_register, METH_VARARGS, register_doc},
+    {"set_nogil_from", cr_set_nogil_from, METH_O,
+     "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
+     "never); the previous setting (for benchmarks)."},
+    CSTRUCT_METHODS{NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "coalesce._crecord",
-    "The snapshot recorder's loop (coalesce/_recorder.py holds the state and the oracle).", -1,
-    methods,
+    "The snapshot recorder's state and loop (coalesce/_recorder.py: the semantics and the "
+    "oracle).",
+    -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__crecord(void) {
-    PyObject **slots[] = {&s_medium,       &s_group_idx,         &s_locality, &s_ownership,
-                          &s_block_hashes, &s_parent_block_hash, &s_token_ids};
-    const char *names[] = {"medium",       "group_idx",         "locality", "ownership",
-                           "block_hashes", "parent_block_hash", "token_ids"};
-    for (int k = 0; k < 7; k++) {
-        *slots[k] = PyUnicode_InternFromString(names[k]);
-        if (*slots[k] == NULL) return NULL;
+    s_events = PyUnicode_InternFromString("events");
+    if (s_events == NULL) return NULL;
+    if (PyType_Ready(&State_Type) < 0 || PyType_Ready(&Walk_Type) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "State", (PyObject *)&State_Type) < 0 ||
+        PyModule_AddObjectRef(m, "Walk", (PyObject *)&Walk_Type) < 0) {
+        Py_DECREF(m);
+        return NULL;
     }
-    return PyModule_Create(&module);
+    return m;
 }

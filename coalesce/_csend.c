@@ -36,18 +36,28 @@ typedef int (*send_fn)(void *, const void *, size_t, int);
 typedef int (*errno_fn)(void);
 typedef int (*getsockopt_fn)(void *, int, void *, size_t *);
 
-static send_fn z_send = NULL;
-static errno_fn z_errno = NULL;
-static getsockopt_fn z_getsockopt = NULL;
+/* The module's state: the bound library's functions (NULL before bind()).
+ * Each entry point reads it once per call, from its `self`. */
+typedef struct {
+    send_fn z_send;
+    errno_fn z_errno;
+    getsockopt_fn z_getsockopt;
+} SendState;
+
+static inline SendState *get_state(PyObject *module) {
+    return (SendState *)PyModule_GetState(module);
+}
 
 PyDoc_STRVAR(bind_doc,
+             "bind($module, path, /)\n--\n\n"
              "bind(path) -> bool\n\n"
              "Resolve zmq_send, zmq_errno and zmq_getsockopt in the libzmq at `path`,\n"
              "only if that library is already loaded in this process.  True once\n"
              "resolved (later calls change nothing).  O(1).");
 
 static PyObject *cs_bind(PyObject *self, PyObject *arg) {
-    if (z_send != NULL) Py_RETURN_TRUE;
+    SendState *st = get_state(self);
+    if (st->z_send != NULL) Py_RETURN_TRUE;
     PyObject *bytes = NULL;
     if (!PyUnicode_FSConverter(arg, &bytes)) return NULL;
     void *lib = dlopen(PyBytes_AS_STRING(bytes), RTLD_NOW | RTLD_NOLOAD);
@@ -61,9 +71,9 @@ static PyObject *cs_bind(PyObject *self, PyObject *arg) {
         Py_RETURN_FALSE;
     }
     /* the handle stays open: the library is pyzmq's and stays loaded anyway */
-    z_send = s;
-    z_errno = e;
-    z_getsockopt = g;
+    st->z_send = s;
+    st->z_errno = e;
+    st->z_getsockopt = g;
     Py_RETURN_TRUE;
 }
 
@@ -74,12 +84,14 @@ static void *handle_of(PyObject *arg) {
 }
 
 PyDoc_STRVAR(socket_type_doc,
+             "socket_type($module, handle, /)\n--\n\n"
              "socket_type(handle) -> int\n\n"
              "ZMQ_TYPE of the socket at `handle` (pyzmq's Socket.underlying), read\n"
              "through the bound library; -1 on an error.  Only after bind().  O(1).");
 
 static PyObject *cs_socket_type(PyObject *self, PyObject *arg) {
-    if (z_getsockopt == NULL) {
+    const SendState *st = get_state(self);
+    if (st->z_getsockopt == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind() first");
         return NULL;
     }
@@ -87,20 +99,21 @@ static PyObject *cs_socket_type(PyObject *self, PyObject *arg) {
     if (h == NULL) return NULL;
     int type = -1;
     size_t size = sizeof(type);
-    if (z_getsockopt(h, Z_TYPE, &type, &size) != 0) type = -1;
+    if (st->z_getsockopt(h, Z_TYPE, &type, &size) != 0) type = -1;
     return PyLong_FromLong(type);
 }
 
 /* One frame, retried on EINTR; 0 or the libzmq errno. */
-static int send_frame(void *h, const void *data, size_t n, int flags) {
+static int send_frame(const SendState *st, void *h, const void *data, size_t n, int flags) {
     for (;;) {
-        if (z_send(h, data, n, flags | Z_DONTWAIT) >= 0) return 0;
-        int err = z_errno();
+        if (st->z_send(h, data, n, flags | Z_DONTWAIT) >= 0) return 0;
+        int err = st->z_errno();
         if (err != EINTR) return err;
     }
 }
 
 PyDoc_STRVAR(send_doc,
+             "send($module, handle, topic, seq, payload, tail=b'', /)\n--\n\n"
              "send(handle, topic, seq, payload[, tail]) -> int\n\n"
              "Send [topic, seq as 8 bytes big-endian + tail, payload] on the socket\n"
              "at `handle`, holding the GIL; 0, or the errno of the frame that failed\n"
@@ -113,7 +126,8 @@ static PyObject *cs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "send() takes 4 or 5 arguments");
         return NULL;
     }
-    if (z_send == NULL) {
+    const SendState *st = get_state(self);
+    if (st->z_send == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "bind() first");
         return NULL;
     }
@@ -139,11 +153,11 @@ static PyObject *cs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         be[i] = (unsigned char)(seq & 0xff);
         seq >>= 8;
     }
-    int err = send_frame(h, PyBytes_AS_STRING(args[1]), (size_t)PyBytes_GET_SIZE(args[1]),
+    int err = send_frame(st, h, PyBytes_AS_STRING(args[1]), (size_t)PyBytes_GET_SIZE(args[1]),
                          Z_SNDMORE);
-    if (err == 0) err = send_frame(h, be, seq_len, Z_SNDMORE);
+    if (err == 0) err = send_frame(st, h, be, seq_len, Z_SNDMORE);
     if (err == 0)
-        err = send_frame(h, PyBytes_AS_STRING(args[3]), (size_t)PyBytes_GET_SIZE(args[3]), 0);
+        err = send_frame(st, h, PyBytes_AS_STRING(args[3]), (size_t)PyBytes_GET_SIZE(args[3]), 0);
     return PyLong_FromLong(err);
 }
 
@@ -154,9 +168,17 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "coalesce._csend",
-    "Sending a 3-frame message on a PUB socket without releasing the GIL.", -1, methods,
+static PyModuleDef_Slot slots[] = {
+    {0, NULL}, /* (multi-phase init: the state needs no exec step, it starts zeroed) */
 };
 
-PyMODINIT_FUNC PyInit__csend(void) { return PyModule_Create(&module); }
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "coalesce._csend",
+    .m_doc = "Sending a 3-frame message on a PUB socket without releasing the GIL.",
+    .m_size = sizeof(SendState),
+    .m_methods = methods,
+    .m_slots = slots,
+};
+
+PyMODINIT_FUNC PyInit__csend(void) { return PyModuleDef_Init(&module); }

@@ -100,19 +100,30 @@ static PyObject *cs_u64(PyObject *self, PyObject *x) {
     return PyLong_FromUnsignedLongLong((unsigned long long)v);
 }
 
-/* How many times this module released the GIL (a deterministic view of it for
- * the tests: no thread scheduling to observe). */
-static unsigned long long cs_gil_releases_count = 0;
+/* What these probes keep in a module's state: a module that lists
+ * CSTRUCT_METHODS puts a CStructState first in its state struct. */
+typedef struct {
+    /* How many times this module released the GIL (a deterministic view of it
+     * for the tests: no thread scheduling to observe). */
+    unsigned long long gil_releases;
+} CStructState;
 
 static PyObject *cs_gil_releases(PyObject *self, PyObject *unused) {
-    return PyLong_FromUnsignedLongLong(cs_gil_releases_count);
+    const CStructState *cs = (const CStructState *)PyModule_GetState(self);
+    return PyLong_FromUnsignedLongLong(cs->gil_releases);
 }
 
-#define CSTRUCT_METHODS                                                                      \
-    {"fields_at", cs_fields_at, METH_VARARGS,                                                \
-     "fields_at(obj, names) -> tuple: the fields as the C code reads them (layout probe)."}, \
-        {"u64", cs_u64, METH_O, "u64(x) -> int | None: x as the C code reads a hash."},      \
-        {"gil_releases", cs_gil_releases, METH_NOARGS,                                       \
+/* (Each docstring starts with the signature inspect.signature() reads.) */
+#define CSTRUCT_METHODS                                                                  \
+    {"fields_at", cs_fields_at, METH_VARARGS,                                            \
+     "fields_at($module, obj, names, /)\n--\n\n"                                         \
+     "fields_at(obj, names) -> tuple: the fields as the C code reads them (layout "     \
+     "probe)."},                                                                         \
+        {"u64", cs_u64, METH_O,                                                          \
+         "u64($module, x, /)\n--\n\n"                                                    \
+         "u64(x) -> int | None: x as the C code reads a hash."},                         \
+        {"gil_releases", cs_gil_releases, METH_NOARGS,                                   \
+         "gil_releases($module, /)\n--\n\n"                                              \
          "gil_releases() -> int: how many times this module has released the GIL."},
 
 #endif

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -52,17 +53,24 @@ def layout_problem(accel: ModuleType) -> str | None:
     return None
 
 
-def load_accelerator(name: str, instead: str) -> ModuleType | None:
+def load_accelerator(
+    name: str,
+    instead: str,
+    check: Callable[[ModuleType], str | None] | None = layout_problem,
+    off: str | None = None,
+) -> ModuleType | None:
     """``coalesce.<name>``, a C accelerator, where it is built, not switched off
-    (``COALESCE_NO_ACCEL``) and reads objects as it assumes; else None, with one
-    WARNING when it was built but misreads them (``instead``: what runs then)."""
-    if switched_on(NO_ACCEL):
+    (``COALESCE_NO_ACCEL``, or the variable ``off`` names) and passes ``check`` (by
+    default, it reads objects as it assumes: :func:`layout_problem`); else None, with
+    one WARNING when it was built but fails the check (``instead``: what runs then).
+    The one loader of every C accelerator."""
+    if switched_on(NO_ACCEL) or (off is not None and switched_on(off)):
         return None
     try:
         accel = importlib.import_module(f"coalesce.{name}")
     except ImportError:
         return None
-    why = layout_problem(accel)
+    why = None if check is None else check(accel)
     if why is not None:
         log.warning(
             "kv-coalesce: coalesce.%s is not used; %s (msgspec %s): %s",

@@ -8,16 +8,13 @@ which were judged where); each function is O(1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "COST_SAMPLES",
-    "PRESSURE_FROM",
-    "PRESSURE_SLICE",
-    "RECORD_FROM",
-    "RECORD_WINDOW",
-    "WHOLE_FROM",
-    "WIDEN_UP_TO",
-    "YIELD_EVERY",
+    "DEFAULT_POLICY",
     "GilSlice",
+    "Policy",
     "RulesCost",
     "pressed",
     "rules_window",
@@ -25,42 +22,49 @@ __all__ = [
     "yield_slice",
 ]
 
-YIELD_EVERY = 0.0005
-"""Seconds of continuous sender work after which it hands the GIL to the engine.
-Yielding after every step makes each step a GIL handoff (two context switches);
-never yielding lets the engine wait for CPython's 5 ms switch interval."""
 
-PRESSURE_FROM = 0.25
-"""Share of the event budget (``max_pending_events``) pending above which a sender
-losing ground holds the GIL for ``PRESSURE_SLICE`` before handing it back."""
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The sender's tuning, given to it at construction (:data:`DEFAULT_POLICY`, or
+    another for an A/B through ``coalesce.testing``)."""
 
-PRESSURE_SLICE = 0.005
-"""Seconds of continuous sender work under pressure: CPython's default switch
-interval, the longest an engine thread waits for the GIL from any other Python
-thread."""
+    yield_every: float = 0.0005
+    """Seconds of continuous sender work after which it hands the GIL to the engine.
+    Yielding after every step makes each step a GIL handoff (two context switches);
+    never yielding lets the engine wait for CPython's 5 ms switch interval."""
+
+    pressure_from: float = 0.25
+    """Share of the event budget (``max_pending_events``) pending above which a sender
+    losing ground holds the GIL for ``pressure_slice`` before handing it back."""
+
+    pressure_slice: float = 0.005
+    """Seconds of continuous sender work under pressure: CPython's default switch
+    interval, the longest an engine thread waits for the GIL from any other Python
+    thread."""
+
+    whole_from: float = 0.5
+    """Share of the event budget pending above which the sender sends a batch larger
+    than a window as it is, in one encode (:func:`sends_whole`)."""
+
+    widen_up_to: int = 4
+    """At most this many times ``max_events_per_step`` in one rules window, when the
+    rest of the sender's GIL slice holds them at the rules' measured cost."""
+
+    record_window: int = 512
+    """Events of batches sent as they came (not through the rules) that the recorder's
+    feed (``coalesce._feed``) gathers, then records as the compactor's output of
+    them: the same state for every subscriber model, with chains and removal lists
+    merged and cancelling pairs gone before the recorder's per-event work.  0: each
+    batch recorded as it was sent."""
+
+    record_from: int = 32
+    """Fewest events of a gathered window that the feed compacts; a smaller one (a
+    sender that caught up after a small batch) is recorded as it was: the
+    compactor's cost per call is more than it saves the recorder on so few."""
 
 
-WHOLE_FROM = 0.5
-"""Share of the event budget pending above which the sender sends a batch larger
-than a window as it is, in one encode (:func:`sends_whole`)."""
-
-
-WIDEN_UP_TO = 4
-"""At most this many times ``max_events_per_step`` in one rules window, when the
-rest of the sender's GIL slice holds them at the rules' measured cost."""
-
-
-RECORD_WINDOW = 512
-"""Events of batches sent as they came (not through the rules) that the snapshot
-recorder's feed gathers, then records as the compactor's output of them: the
-same state for every subscriber model, with chains and removal lists merged
-and cancelling pairs gone before the recorder's per-event work.  0: each
-batch recorded as it was sent."""
-
-RECORD_FROM = 32
-"""Fewest events of a gathered window that the feed compacts; a smaller one (a
-sender that caught up after a small batch) is recorded as it was: the
-compactor's cost per call is more than it saves the recorder on so few."""
+DEFAULT_POLICY = Policy()
+"""The policy every publisher runs unless a test or benchmark gives another."""
 
 
 COST_SAMPLES = 7
@@ -90,11 +94,13 @@ class RulesCost:
         return sorted(last)[len(last) // 2] if last else None
 
 
-def rules_window(step: int, cost: float | None, room: float) -> int:
+def rules_window(
+    step: int, cost: float | None, room: float, policy: Policy = DEFAULT_POLICY
+) -> int:
     """Events the next rules window takes, O(1): as many as ``room`` seconds (the
     rest of the sender's GIL slice) hold at ``cost`` seconds per event (the rules'
     measured median), from ``step`` (``max_events_per_step``) up to
-    ``WIDEN_UP_TO`` x ``step``; ``step`` while the rules are not timed yet.
+    ``widen_up_to`` x ``step``; ``step`` while the rules are not timed yet.
 
     Each window costs a pass of Python around the C rules (take, encode, send,
     count): a larger window pays it once for more events, and lets the rules
@@ -103,15 +109,17 @@ def rules_window(step: int, cost: float | None, room: float) -> int:
     """
     if cost is None or cost <= 0.0:
         return step
-    return min(WIDEN_UP_TO * step, max(step, int(room / cost)))
+    return min(policy.widen_up_to * step, max(step, int(room / cost)))
 
 
-def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
+def yield_slice(
+    pending_events: int, budget: int, losing: bool, policy: Policy = DEFAULT_POLICY
+) -> float:
     """Seconds of continuous work after which the sender yields the GIL, O(1).
 
-    ``YIELD_EVERY``, or ``PRESSURE_SLICE`` while the sender is losing ground
+    ``yield_every``, or ``pressure_slice`` while the sender is losing ground
     (more was pending when its slice began than when the one before it did)
-    with more than ``PRESSURE_FROM`` of the event budget pending (events, or
+    with more than ``pressure_from`` of the event budget pending (events, or
     batches if more: both count to it).  A sender losing ground there will
     reach the budget, and then the next batches would be refused, each a gap
     (and a resync) for every subscriber: it takes the largest share of the GIL
@@ -119,19 +127,23 @@ def yield_slice(pending_events: int, budget: int, losing: bool) -> float:
     engine's GIL hand-offs (never in ``publish()``'s own work) instead of a
     loss.  A backlog that is deep but shrinking keeps the short slice.
     """
-    return PRESSURE_SLICE if pressed(pending_events, budget, losing) else YIELD_EVERY
+    if pressed(pending_events, budget, losing, policy):
+        return policy.pressure_slice
+    return policy.yield_every
 
 
-def pressed(pending_events: int, budget: int, losing: bool) -> bool:
+def pressed(
+    pending_events: int, budget: int, losing: bool, policy: Policy = DEFAULT_POLICY
+) -> bool:
     """Whether the sender is pressed, O(1): losing ground with more than
-    ``PRESSURE_FROM`` of the event budget pending.  Then it takes the longer GIL
+    ``pressure_from`` of the event budget pending.  Then it takes the longer GIL
     slice (:func:`yield_slice`): the next batches would be refused."""
-    return losing and pending_events > PRESSURE_FROM * budget
+    return losing and pending_events > policy.pressure_from * budget
 
 
-def sends_whole(pending_events: int, budget: int) -> bool:
+def sends_whole(pending_events: int, budget: int, policy: Policy = DEFAULT_POLICY) -> bool:
     """Whether a batch larger than a window goes out as it is, in one encode, O(1):
-    while more than ``WHOLE_FROM`` of the event budget is pending (events, or
+    while more than ``whole_from`` of the event budget is pending (events, or
     batches if more), whatever the rules in parts would save.
 
     The rules in parts hand the GIL back between parts, and at a load that
@@ -146,7 +158,7 @@ def sends_whole(pending_events: int, budget: int) -> bool:
     went back to parts whenever the backlog held steady would let it climb
     again.
     """
-    return pending_events > WHOLE_FROM * budget
+    return pending_events > policy.whole_from * budget
 
 
 class GilSlice:
@@ -157,8 +169,9 @@ class GilSlice:
     the tests) and what is pending for the event budget; nothing here reads a clock.
     """
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, policy: Policy = DEFAULT_POLICY) -> None:
         self.budget = budget
+        self.policy = policy
         self.began = 0.0
         """When the current turn began (the last hand-over)."""
         self.pending_at_start = 0
@@ -168,7 +181,7 @@ class GilSlice:
 
     def length(self, pending: int) -> float:
         """:func:`yield_slice` for this turn."""
-        return yield_slice(pending, self.budget, self.losing)
+        return yield_slice(pending, self.budget, self.losing, self.policy)
 
     def room(self, now: float, pending: int) -> float:
         """Seconds left in this turn at ``now`` (negative once it is over)."""
@@ -177,7 +190,7 @@ class GilSlice:
     def due(self, now: float, pending: int) -> bool:
         """Whether the sender hands the GIL back at ``now``."""
         held = now - self.began
-        return held >= YIELD_EVERY and held >= self.length(pending)
+        return held >= self.policy.yield_every and held >= self.length(pending)
 
     def handed_over(self, now: float, pending: int) -> None:
         """The GIL went to the engine and came back at ``now``, with ``pending`` for the

@@ -36,29 +36,42 @@ kept, or on an event it cannot interpret, the recorder forgets everything and
 a snapshot request gets ``-2`` until the next ``AllBlocksCleared``, after
 which it is exact again.
 
-Memory: per held key one dict entry, its count and source packed in one int
-(a table of ints is not tracked by the cyclic garbage collector, whose
-passes over a large state would otherwise cost the engine's thread); per
-kept source its event (shared, not copied: its hash list is read again for
-the program) and its dependencies.
+Memory, in the C state: per held key one 24-byte slot of a table at most
+half full; per kept source one 88-byte slot, a strong reference to its event
+(shared, not copied) and its hashes as 64-bit keys (8 bytes each, for the
+program); non-u64 hashes and scopes interned while a kept source stores them.
+Batches that cancel out leave it as it was (the table shrinks back once
+under 1/8 full).  In the Python dicts: per held key one dict entry, its count
+and source packed in one int (not tracked by the cyclic garbage collector,
+whose passes over a large state would otherwise cost the engine's thread);
+per kept source a tuple of its event and its dependencies.
 
-:meth:`Recorder.record` runs its loop, and the collection of dropped sources,
-in C (``coalesce/_crecord.c``) where that is built: the same steps on the same
-dicts and tuples, so the Python code here is its fallback and the tests'
-oracle (tests/test_recorder.py runs both).  It reads fields by name, not at
-slot offsets: it assumes no layout.
+:meth:`Recorder.record` keeps the state in C (``coalesce/_crecord.c``) where
+that is built: the same state, its keys in an open-addressing table of
+(scope id, 64-bit hash) -> count and source, its sources in a C array holding
+the recorded events, read at their msgspec slot offsets (checked at import by
+``coalesce/_layout.py``), the table updated with the GIL released for calls
+of many hashes or ones that grow or shrink it; the program is written from
+it by a C walk, a chunk per ``next()``, in the same chunks.  The Python code
+here is its fallback (not built, ``COALESCE_NO_ACCEL=1``, or a layout the C
+code would misread) and the tests' oracle (tests/test_recorder.py and
+tests/test_recorder_c.py run both and compare them).  An event the C loop
+cannot read (a hash that is neither an int, bytes nor str, a field of a type
+it does not take, a class whose fields are not slots) moves the state into
+the Python dicts (:meth:`Recorder._to_python`, O(state), once), where it
+stays until the next ``AllBlocksCleared``.
 """
 
 from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
-from coalesce._env import NO_ACCEL, switched_on
-from coalesce.events import BlockRemoved, BlockStored
+from coalesce._layout import load_accelerator
+from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
 
 __all__ = ["CHUNK_EVENTS", "Recorder"]
 
@@ -92,21 +105,13 @@ NEXT, HELD, COUNTS, KEPT = range(4)
 
 STORED, REMOVED, CLEARED, MOVED, OTHER = range(5)
 """Event kinds, by wire tag (OTHER: ignored, as the subscriber models do)."""
+STOP_UNKNOWN, STOP_MOVE, STOP_PYTHON = 1, 2, 3
+"""Why the C loop stopped before the end of a list (``State.stopped``): a class it
+has not been told about, a move, an event it cannot read."""
 
-
-def _load_accel() -> ModuleType | None:
-    if switched_on(NO_ACCEL):
-        return None
-    try:
-        from coalesce import _crecord
-    except ImportError:
-        return None
-    return _crecord
-
-
-_accel: ModuleType | None = _load_accel()
-"""The optional C loop (coalesce/_crecord.c), or None: not built, or disabled by
-setting ``COALESCE_NO_ACCEL=1``."""
+_accel: ModuleType | None = load_accelerator("_crecord", "the pure-Python recorder runs")
+"""The optional C state (coalesce/_crecord.c), or None: not built, disabled by
+setting ``COALESCE_NO_ACCEL=1``, or failing the layout check."""
 
 
 class Recorder:
@@ -116,7 +121,7 @@ class Recorder:
     collected once; a parent or token lookup outside the store's scope is
     O(scopes), a handful); :meth:`chunks` is O(kept sources and their hashes)
     in all, a bounded slice per chunk.  Not thread-safe: the sender thread
-    owns it.  ``accelerated``: None, the C loop where built; False, never.
+    owns it.  ``accelerated``: None, the C state where built; False, never.
     """
 
     def __init__(self, max_blocks: int, *, accelerated: bool | None = None) -> None:
@@ -124,6 +129,10 @@ class Recorder:
             raise ImportError("coalesce._crecord is not built")
         self.max_blocks = max_blocks
         self._c = None if accelerated is False else _accel
+        self._cs: Any = None if self._c is None else self._c.State()
+        self._cmode = self._cs is not None
+        """The state is in C (else in the dicts below: no C, or since an event the C
+        loop could not read, until the next clear)."""
         self._live: dict[Scope, dict[Any, int]] = {}  # scope -> hash -> source << SHIFT | count
         self._sources: dict[int, tuple[Any, ...]] = {}  # in recorded order
         self._refs: dict[int, int] = {}  # source id -> keys naming it + dependants
@@ -134,12 +143,28 @@ class Recorder:
         self.reason = ""
         """Why it is unavailable (empty while valid)."""
         self.invalidations = 0
-        self.batches = 0
-        self.events = 0
+        self._batches = 0  # (and the C state's, counted there on its fast path)
+        self._events = 0
+        self._fast: Any = None
+        """The C state's ``record_batch`` while it holds the state and is exact."""
+        self._sync()
+
+    def _sync(self) -> None:
+        self._fast = self._cs.record_batch if self._cmode and self.valid else None
+
+    @property
+    def batches(self) -> int:
+        """Batches given to :meth:`record`.  O(1)."""
+        return self._batches + (0 if self._cs is None else int(self._cs.batches))
+
+    @property
+    def events(self) -> int:
+        """Their events.  O(1)."""
+        return self._events + (0 if self._cs is None else int(self._cs.events))
 
     @property
     def accelerated(self) -> bool:
-        """Whether :meth:`record` runs its loop in C.  O(1)."""
+        """Whether the state is kept, and :meth:`record` runs, in C.  O(1)."""
         return self._c is not None
 
     # -- feeding ---------------------------------------------------------------
@@ -150,41 +175,120 @@ class Recorder:
         While unavailable, only an ``AllBlocksCleared`` is looked for; it
         makes the recorder exact again and the events after it are applied.
         """
-        self.batches += 1
+        fast = self._fast
+        if fast is not None:  # the usual case: one call into C, which counts the batch
+            try:
+                i = fast(batch, self.max_blocks)
+            except Exception as exc:  # (as below)
+                self.invalidate(
+                    f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
+                )
+                return
+            if i == -2:
+                return
+            if i == -1:
+                self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+                return
+            if i >= 0:
+                self._record_list(batch.events, i)
+                return
+        self._batches += 1
+        self._record_list(None, 0, batch)
+
+    def _record_list(self, events: list[Any] | None, i: int, batch: Any = None) -> None:
+        """:meth:`record` from ``events[i]`` on (``batch``'s events when None)."""
         try:
-            events = batch.events
-            if type(events) is not list:
-                events = list(events)
-            self.events += len(events)
-            i, end, c, n = 0, len(events), self._c, self._n
+            if events is None:
+                events = batch.events
+                if type(events) is not list:
+                    events = list(events)
+                self._events += len(events)
+            end = len(events)
             while i < end:
-                if n[NEXT] >= MAX_ID:
-                    self._renumber()
-                if c is not None and self.valid:
-                    i = c.record(
-                        events, i, _KINDS, self._live, self._sources, self._refs, self._unused, n
-                    )
-                    if i == end:
-                        break
-                i = self._record_from(events, i, c is not None)
+                if self._cmode and self.valid:
+                    i = self._record_c(events, i)
+                else:
+                    if self._n[NEXT] >= MAX_ID:
+                        self._renumber()
+                    i = self._record_from(events, i)
             self._collect()
         except Exception as exc:  # a value it cannot interpret: its effect is unknown
             self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
             return
-        if self.valid and (n[COUNTS] > self.max_blocks or n[KEPT] > self.max_blocks):
+        if self._cmode:
+            counts, kept = self._cs.counts, self._cs.kept
+        else:
+            counts, kept = self._n[COUNTS], self._n[KEPT]
+        if self.valid and (counts > self.max_blocks or kept > self.max_blocks):
             self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
 
-    def _record_from(self, events: list[Any], i: int, one: bool) -> int:
-        """Apply ``events[i:]`` (only ``events[i]`` if ``one``: where the C loop
-        stopped); the index after the last applied."""
+    def record_many(self, batches: Iterable[Any]) -> None:
+        """:meth:`record` each of ``batches``, in order (the feed of a list)."""
+        for batch in batches:
+            self.record(batch)
+
+    def _record_c(self, events: list[Any], i: int) -> int:
+        """The C loop from ``events[i]``; the index after what it (or this) applied."""
+        cs = self._cs
+        i = cs.record(events, i)
+        if i == len(events):
+            return i
+        stopped, ev = cs.stopped, events[i]
+        if stopped == STOP_UNKNOWN:
+            kind = _kind_of(type(ev))
+            assert self._c is not None
+            if self._c.register(type(ev), kind):
+                return i  # (known now: the C loop goes on from it)
+            if kind == OTHER:
+                return i + 1
+        elif stopped == STOP_MOVE:
+            return self._move_c(ev, i)
+        self._to_python()  # an event the C loop cannot read: the Python loop applies it
+        return i
+
+    def _move_c(self, ev: Any, i: int) -> int:
+        """A ``BlockMoved``, applied to the C state as its store and its removal."""
+        store = _moved_store(ev)
+        scope = (ev.from_medium, *_scope_of(ev)[1:])
+        medium, group, locality, ownership = scope
+        removal = BlockRemoved(
+            block_hashes=ev.block_hashes,
+            medium=medium,
+            group_idx=group,
+            locality=locality,
+            ownership=ownership,
+        )
+        if self._cs.record([store], 0) != 1:
+            self._to_python()
+            self._store(ev, store)
+            self._remove(ev, scope)
+        elif self._cs.record([removal], 0) != 1:
+            self._to_python()
+            self._remove(ev, scope)
+        return i + 1
+
+    def _to_python(self) -> None:
+        """Move the state from C into the dicts (O(state)): until the next clear,
+        the Python loop applies everything."""
+        live, sources, refs, n = self._cs.export()
+        self._live, self._sources, self._refs, self._n = live, sources, refs, n
+        self._unused = []
+        self._cs.clear()
+        self._cmode = False
+        self._sync()
+
+    def _record_from(self, events: list[Any], i: int) -> int:
+        """Apply ``events[i:]`` in Python; the index after the last applied (the
+        one after a clear that gives the state back to C)."""
         for j in range(i, len(events)):
             ev = events[j]
-            kind = _KINDS.get(type(ev))
-            if kind is None:
-                kind = _KINDS[type(ev)] = _kind(type(ev))
+            kind = _kind_of(type(ev))
             if kind == CLEARED:
                 self._forget()
                 self.valid, self.reason = True, ""
+                self._sync()
+                if self._cmode:
+                    return j + 1
             elif not self.valid:
                 pass
             elif kind == REMOVED:
@@ -195,8 +299,6 @@ class Recorder:
                 self._store(ev, _moved_store(ev))
                 self._remove(ev, (ev.from_medium, *_scope_of(ev)[1:]))
             # OTHER: the subscriber models ignore it, and so does the state
-            if one:
-                return j + 1
         return len(events)
 
     def _renumber(self) -> None:
@@ -223,6 +325,10 @@ class Recorder:
     def _forget(self) -> None:
         self._live, self._sources, self._refs, self._unused = {}, {}, {}, []
         self._n[HELD] = self._n[COUNTS] = self._n[KEPT] = 0
+        if self._cs is not None:
+            self._cs.clear()
+            self._cmode = True
+        self._sync()
 
     def _store(self, ev: Any, src: Any) -> None:
         hashes = ev.block_hashes
@@ -304,10 +410,7 @@ class Recorder:
 
     def _collect(self) -> None:
         """Drop the sources nothing keeps (at the end of a batch, and before ids are
-        renumbered).  O(sources dropped)."""
-        if self._c is not None:
-            self._c.collect(self._sources, self._refs, self._unused, self._n)
-            return
+        renumbered).  O(sources dropped).  (The C state drops a source at once.)"""
         unused, sources, refs = self._unused, self._sources, self._refs
         while unused:
             sid = unused.pop()
@@ -324,19 +427,41 @@ class Recorder:
 
     @property
     def held(self) -> int:
-        """Keys held right now.  O(1)."""
-        return self._n[HELD]
+        """Keys held right now.  O(1), no walk."""
+        return int(self._cs.held) if self._cmode else self._n[HELD]
 
     @property
     def retained(self) -> int:
         """Store events kept for the program.  O(1)."""
-        return len(self._sources)
+        return int(self._cs.sources) if self._cmode else len(self._sources)
+
+    def export(
+        self,
+    ) -> tuple[dict[Scope, dict[Any, int]], dict[int, tuple[Any, ...]], dict[int, int], list[int]]:
+        """The state as ``(live, sources, refs, n)`` in the Python loop's form, source
+        ids renumbered 0.. in recorded order (so that two recorders' states compare
+        equal when they are the same).  O(keys + sources)."""
+        if self._cmode:
+            live, sources, refs, n = self._cs.export()
+            return live, sources, refs, n
+        ids = {old: new for new, old in enumerate(self._sources)}
+        sources = {
+            ids[old]: (s[EVENT], s[SCOPE], tuple(ids[d] for d in s[DEPS]), s[TOKENS], s[SIZE])
+            for old, s in self._sources.items()
+        }
+        refs = {ids[old]: r for old, r in self._refs.items()}
+        live = {
+            scope: {h: ids[v >> SHIFT] << SHIFT | v & _COUNT for h, v in table.items()}
+            for scope, table in self._live.items()
+        }
+        return live, sources, refs, [len(ids), *self._n[HELD:]]
 
     def state(self) -> dict[tuple[Any, Any, Any], int]:
         """The held counts per ``(medium, group_idx, hash)`` (the reference models'
         key: locality and ownership summed).  O(keys)."""
+        live = self._cs.export()[0] if self._cmode else self._live
         out: dict[tuple[Any, Any, Any], int] = {}
-        for (medium, group, _, _), table in self._live.items():
+        for (medium, group, _, _), table in live.items():
             for h, value in table.items():
                 k = (medium, group, h)
                 out[k] = out.get(k, 0) + (value & _COUNT)
@@ -344,27 +469,38 @@ class Recorder:
 
     def check(self) -> None:
         """Assert the invariants (tests call it after each batch).  O(keys + sources)."""
+        if self._cmode:
+            live, sources, refs_kept, n = self._cs.export()
+            unused: list[int] = []
+        else:
+            live, sources, refs_kept, n, unused = (
+                self._live,
+                self._sources,
+                self._refs,
+                self._n,
+                self._unused,
+            )
         refs: Counter[int] = Counter()
         total = held = 0
-        for scope, table in self._live.items():
+        for scope, table in live.items():
             for h, value in table.items():
                 count, sid = value & _COUNT, value >> SHIFT
-                source = self._sources[sid]
+                source = sources[sid]
                 assert count >= 1, "a held key has a positive count"
                 assert source[SCOPE] == scope and h in source[EVENT].block_hashes, "its source"
                 refs[sid] += 1
                 total += count
                 held += 1
-        assert total == self._n[COUNTS] and held == self._n[HELD], "the totals are kept"
-        for sid, source in self._sources.items():
+        assert total == n[COUNTS] and held == n[HELD], "the totals are kept"
+        for sid, source in sources.items():
             for dep in source[DEPS]:
                 assert dep < sid, "a dependency was recorded earlier"
                 refs[dep] += 1
-        for sid in self._sources:
-            assert self._refs[sid] == refs[sid] >= 1, "refs = keys naming it + dependants"
-        assert self._refs.keys() == self._sources.keys()
-        assert self._n[KEPT] == sum(s[SIZE] for s in self._sources.values())
-        assert not self._unused, "collected at the end of every batch"
+        for sid in sources:
+            assert refs_kept[sid] == refs[sid] >= 1, "refs = keys naming it + dependants"
+        assert refs_kept.keys() == sources.keys()
+        assert n[KEPT] == sum(s[SIZE] for s in sources.values())
+        assert not unused, "collected at the end of every batch"
 
     def chunks(self) -> Generator[list[Any], None, None]:
         """The program, a chunk (one batch's events) per ``next()``.
@@ -376,8 +512,25 @@ class Recorder:
         (:data:`CHUNK_WORK`), so a chunk may be empty (the caller skips it).
         The state must not change until the iterator is exhausted or closed
         (the caller defers :meth:`record` meanwhile).  O(kept hashes) in all;
-        its memory is O(the stores too many), not O(keys).
+        its memory is O(the stores too many), not O(keys).  With the C state,
+        its walk writes each chunk (the same chunks).
         """
+        if self._cmode:
+            return self._chunks_c()
+        return self._chunks_py()
+
+    def _chunks_c(self) -> Generator[list[Any], None, None]:
+        walk = self._cs.walk(CHUNK_EVENTS, CHUNK_TOKENS, CHUNK_WORK, REMOVED_PER_EVENT, _removal)
+        try:
+            while True:
+                chunk = walk.next()
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            walk.close()
+
+    def _chunks_py(self) -> Generator[list[Any], None, None]:
         out: list[Any] = []
         tokens = work = 0
         for ev in self._program():
@@ -499,8 +652,21 @@ def _excess(
 
 
 _KINDS: dict[type, int] = {}
-"""Each event class's kind, by its wire tag, looked up once per class (the C loop
-reads it, and hands an event of a class not in it back to Python)."""
+"""Each event class's kind, by its wire tag, looked up once per class."""
+
+
+def _kind_of(cls: type) -> int:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = _kind(cls)
+    return kind
+
+
+def _removal(hashes: list[Any], medium: Any, group: Any, locality: Any, ownership: Any) -> Any:
+    """A corrective removal of the program (the C walk builds them with this)."""
+    return BlockRemoved(
+        block_hashes=hashes, medium=medium, group_idx=group, locality=locality, ownership=ownership
+    )
 
 
 def _kind(cls: type) -> int:
@@ -547,3 +713,8 @@ def _moved_store(ev: Any) -> BlockStored:
     every ``BlockStored`` field it carries, ``medium`` being its ``to_medium``."""
     carried = {f: getattr(ev, f) for f in BlockStored.__struct_fields__ if f != "medium"}
     return BlockStored(medium=ev.to_medium, **carried)
+
+
+if _accel is not None:  # this package's own classes, known to the C loop from the start
+    for _cls in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved):
+        _accel.register(_cls, _kind_of(_cls))

@@ -31,18 +31,18 @@ A reply covers the messages that were buffered when the request arrived.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections import deque
-from typing import Any, ClassVar
 
 import zmq
 
 from coalesce._settings import Settings
+from coalesce._stream import ReplayBuffer
 from coalesce._wire import END_SEQ, read_requests
+from coalesce.stats import ReplayStats
 
-__all__ = ["ReplayBuffer", "ReplayService"]
+__all__ = ["ReplayService"]
 
 _MORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -51,32 +51,6 @@ _EVENTS = zmq.EVENTS
 _ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 log = logging.getLogger("coalesce")
-
-
-class ReplayBuffer:
-    """The last ``capacity`` sent messages as ``(seq, payload)``, seqs increasing."""
-
-    def __init__(self, capacity: int) -> None:
-        self._buf: deque[tuple[int, bytes]] = deque(maxlen=capacity)
-
-    def append(self, seq: int, payload: bytes) -> None:
-        """Remember a sent message, evicting the oldest at capacity.  O(1)."""
-        self._buf.append((seq, payload))
-
-    def index_of(self, seq: int) -> int:
-        """Position of the first message with ``seq >= seq``.  O(log n) probes."""
-        return bisect.bisect_left(self._buf, (seq,))
-
-    def __getitem__(self, i: int) -> tuple[int, bytes]:
-        return self._buf[i]
-
-    def __len__(self) -> int:
-        return len(self._buf)
-
-    @property
-    def last_seq(self) -> int:
-        """The newest buffered seq, or -1."""
-        return self._buf[-1][0] if self._buf else -1
 
 
 class _Reply:
@@ -129,15 +103,6 @@ class ReplayService:
         self.requests = self.invalid = self.refused = self.abandoned = 0
         self.messages = 0
 
-    NOTHING: ClassVar[dict[str, int]] = {
-        "replay_requests": 0,
-        "replay_invalid": 0,
-        "replay_refused": 0,
-        "replay_messages": 0,
-        "replay_abandoned": 0,
-    }
-    """The ``PublisherStats`` replay counters of a publisher with no replay endpoint."""
-
     @classmethod
     def from_settings(
         cls, sock: zmq.Socket[bytes], buffer: ReplayBuffer, topic: bytes, settings: Settings
@@ -151,9 +116,15 @@ class ReplayService:
             max_clients=settings.replay_max_clients,
         )
 
-    def published(self) -> dict[str, Any]:
-        """The counters as ``PublisherStats`` fields."""
-        return {name: getattr(self, name[len("replay_") :]) for name in self.NOTHING}
+    def stats(self) -> ReplayStats:
+        """The counters, frozen.  O(1)."""
+        return ReplayStats(
+            replay_requests=self.requests,
+            replay_invalid=self.invalid,
+            replay_refused=self.refused,
+            replay_messages=self.messages,
+            replay_abandoned=self.abandoned,
+        )
 
     @property
     def busy(self) -> bool:

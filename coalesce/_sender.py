@@ -1,14 +1,18 @@
 """The sender thread: backlog -> compact -> encode -> send -> replay buffer.
 
-:class:`Sender` owns the sockets, the sequence counter, the ladder level and
-its counters; the publisher facade only reads them (``stats()``) and sets
-:attr:`Sender.closed`.  The thread holds no reference to the facade, so a
-publisher dropped without ``shutdown()`` can be collected, and its finaliser
-stops the thread.
+:class:`Sender` owns the ladder level and the sender's counters; the publisher
+facade only reads them (``stats()``) and sets :attr:`Sender.closed`.  The
+thread holds no reference to the facade, so a publisher dropped without
+``shutdown()`` can be collected, and its finaliser stops the thread.
 
-Every message goes out through its :class:`coalesce._stream.Stream`, the one
-place that assigns seqs, shows losses (a loss marker or a skipped seq) and
-keeps messages for replay.
+Each turn of its loop: the services (replay and snapshot requests:
+``coalesce._services``), then a resync chunk if one is under way, then one
+step of the backlog, then, with nothing to do, a heartbeat or a short sleep.
+A step takes a batch or a window from the backlog and hands it to
+:meth:`Sender._send`, the one send path: it compacts (or not, as the ladder
+says), encodes, emits through the :class:`coalesce._stream.Stream` (the one
+place that assigns seqs, shows losses and keeps messages for replay), gives
+the recorder's feed what was sent, and finishes with what it took.
 
 Nothing a caller can put in a batch stops this thread.  A window the
 compactor rejects (it raises on a value of a type it cannot handle) is sent
@@ -24,52 +28,33 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import zmq
 
 from coalesce._backlog import Backlog, is_loss
+from coalesce._feed import Feed
+from coalesce._gate import Gate
 from coalesce._kinds import event_count
-from coalesce._policy import (
-    YIELD_EVERY,
-    GilSlice,
-    RulesCost,
-    rules_window,
-    sends_whole,
-)
-from coalesce._replay import ReplayBuffer, ReplayService
-from coalesce._settings import Settings
-from coalesce._snapshot import HEARTBEAT, SnapshotService
+from coalesce._pacing import Pacing
+from coalesce._policy import Policy
+from coalesce._resync import Resync
+from coalesce._services import Services
+from coalesce._settings import LossMarker, Settings
 from coalesce._stream import Stream
 from coalesce._totals import RateLimited, Totals
-from coalesce._wire import Encoder, SendMessage, is_native, message_sender
-from coalesce.compactor import (
-    compact,
-    compact_for_wire,
-    compactable,
-)
+from coalesce._wire import Encoder
+from coalesce.compactor import compact, compact_for_wire, compactable
+from coalesce.stats import SenderStats
 
-__all__ = ["Level", "Sender"]
+__all__ = ["IDLE_POLL", "How", "Level", "Sender"]
 
 log = logging.getLogger("coalesce")
 
 IDLE_POLL = 0.005
 """Seconds an idle sender sleeps before looking again (at replay and snapshot
-requests, heartbeats).  ``publish()`` wakes it at
-once."""
-
-RESYNC_SHARE = 4
-"""A resync starts only while the recorder holds at most 1/RESYNC_SHARE of the event
-budget in blocks: what it sends after a loss is bounded by what the budget absorbs."""
-
-SERVICE_POLL = 0.001
-"""Seconds between looks at the replay and snapshot sockets while neither is
-serving a reply.  A look (``ZMQ_EVENTS``) makes libzmq process its command
-pipe, a system call: a few µs of the sender's CPU, which at every loop turn
-(two or more per engine step) was taken from the engine for requests that come
-once in minutes.  A request waits at most this long, or ``IDLE_POLL`` while
-the sender sleeps."""
+requests, heartbeats).  ``publish()`` wakes it at once."""
 
 
 class Level(enum.IntEnum):
@@ -83,59 +68,63 @@ class Level(enum.IntEnum):
     """Windows (4x larger) only folded: drains at encoding speed."""
 
 
+class How(enum.Enum):
+    """How :meth:`Sender._send` sends what a step took."""
+
+    AS_GIVEN = 0
+    """Each batch encoded as it is."""
+    RULES = 1
+    """The window through every rule, then each result encoded."""
+    FOLD = 2
+    """The window folded only."""
+    PARTS = 3
+    """One batch larger than a window: the rules on each window's worth of it in turn."""
+    WHOLE = 4
+    """One batch larger than a window, near the event budget: folded with the next
+    batch waiting, in one encode (:func:`~coalesce._policy.sends_whole`)."""
+
+
 class Sender:
     """The sender thread and everything it owns.  See the module docstring."""
 
     def __init__(
         self,
         *,
-        pub: zmq.Socket[bytes] | None,
-        router: zmq.Socket[bytes] | None,
-        topic: bytes,
-        rank: int,
+        stream: Stream,
+        encoder: Encoder,
+        services: Services,
         backlog: Backlog,
-        buffer: ReplayBuffer,
         settings: Settings,
-        snapshot: SnapshotService | None = None,
-        publisher_id: bytes | None = None,
+        policy: Policy,
+        gate: Gate,
+        rank: int,
+        feed: Feed | None = None,
+        accelerated: bool = True,
+        native_send: bool = False,
+        close_sockets: Callable[[], None] | None = None,
     ) -> None:
-        self._rank = rank
-        self._encoder = Encoder()
-        self._seq_tail = publisher_id or b""
-        self._stream = Stream.of_rank(
-            None,
-            topic,
-            buffer,
-            self._encoder,
-            rank,
-            settings.loss_marker,
-            beats=publisher_id is not None,
-        )
-        self._pub: zmq.Socket[bytes] | None = None
-        self._send_message: SendMessage | None = None
-        self._native_send = False
-        if pub is not None:
-            self._use_pub(pub)
-        self._router = router
+        self._stream = stream
+        self._encoder = encoder
+        self.services = services
         self._backlog = backlog
         self._settings = settings
-        self.replay = (
-            None if router is None else ReplayService.from_settings(router, buffer, topic, settings)
-        )
-        self.snapshot = snapshot
+        self._gate = gate
+        self.feed = feed
+        self._native_send = native_send
+        self.accelerated = accelerated
+        """False: the rules run in Python even where the C ones are built (a test's hook)."""
+        self._close_sockets = close_sockets
         self.limited = RateLimited()
         self.totals = Totals()
-        self.loss_told = {
-            "clear": "subscribers are sent a loss marker (AllBlocksCleared)",
-            "resync": "subscribers are sent a loss marker (AllBlocksCleared), then the state",
-            "gap": "subscribers will see a sequence gap",
-        }[settings.loss_marker]
-        """What a loss's log line says subscribers learn (``loss_marker``; the facade's
-        drop warning says it too)."""
+        self.loss_told = LossMarker(settings.loss_marker).told
+        """What a loss's log line says subscribers learn (the facade's drop warning too)."""
         self._level = Level.ONE_TO_ONE
-        self._rules_cost = RulesCost()  # sizes the rules windows
-        self._gil = GilSlice(backlog.max_events)
-        self._poll_at = 0.0  # when the replay and snapshot sockets are next looked at
+        self.pacing = Pacing(backlog, policy, settings.high_watermark)
+        self.resync = None
+        if feed is not None:
+            self.resync = Resync(
+                backlog, feed, stream, encoder, rank, settings, self.totals, self.limited
+            )
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
 
         # shared with the facade
@@ -154,8 +143,6 @@ class Sender:
         release wakes it; an ``Event.set()`` costs about three times as much in the
         engine's thread: a ``Condition`` and its waiter list)."""
         self._bell.acquire()
-        self._gate: threading.Event | None = None
-        self._parked = threading.Event()
         self.thread = threading.Thread(target=self._run, name="coalesce-sender", daemon=True)
 
     def start(self) -> None:
@@ -174,25 +161,16 @@ class Sender:
         self.closed = True
         self.wake()
 
-    # -- a test hook: hold the thread still --------------------------------------------
+    @property
+    def resyncing(self) -> bool:
+        """A resync is under way.  O(1); safe from any thread."""
+        return self.resync is not None and self.resync.running
 
-    def hold(self, timeout: float = 10.0) -> None:
-        """Park the thread at the top of its loop until :meth:`release` (tests only).
-
-        Returns once it is parked, so that nothing is taken from the backlog
-        meanwhile: a deterministic stand-in for a sender that cannot get the GIL.
-        """
-        self._parked.clear()
-        self._gate = threading.Event()
-        self.wake()
-        if not self._parked.wait(timeout):
-            raise RuntimeError("the sender thread did not park")
-
-    def release(self) -> None:
-        """Let a held thread go on."""
-        gate, self._gate = self._gate, None
-        if gate is not None:
-            gate.set()
+    def stats(self, accelerated: bool) -> SenderStats:
+        """The sender's counters and gauges, frozen.  O(fields)."""
+        return self.totals.stats(
+            alive=self.alive, accelerated=accelerated, native_send=self._native_send
+        )
 
     # -- the loop ----------------------------------------------------------------
 
@@ -203,43 +181,23 @@ class Sender:
             self._die(exc)
         finally:
             self.alive = False
-            if self.replay is not None:
-                self.replay.close()
-            if self.snapshot is not None:
-                self.snapshot.close()
-            # What was sent must still reach subscribers: a linger, not 0 (which would
-            # discard queued messages: a loss with no gap).  close() does not wait for
-            # it; ZeroMQ's I/O thread delivers in the background.
-            if self._pub is not None:
-                self._pub.close(linger=int(self._settings.shutdown_timeout * 1000))
-            if self._router is not None:
-                self._router.close(linger=0)
+            self.services.close()
+            if self.feed is not None:
+                self.feed.close()
+            if self._close_sockets is not None:
+                self._close_sockets()
 
     def _loop(self) -> None:
-        backlog = self._backlog
+        backlog, gate, services, resync = self._backlog, self._gate, self.services, self.resync
         deadline: float | None = None
         while True:
-            gate = self._gate
-            if gate is not None:  # held by a test (hold()); one read otherwise
-                self._parked.set()
+            if gate.closed is not None:  # held by a test; one read otherwise
                 gate.wait()
-            replay, snapshot = self.replay, self.snapshot
-            did = False
-            if replay is not None or snapshot is not None:
-                now = time.monotonic()
-                if (
-                    now >= self._poll_at
-                    or (replay is not None and replay.busy)
-                    or (snapshot is not None and snapshot.busy)
-                ):
-                    self._poll_at = now + SERVICE_POLL
-                    did = replay.step(self._replay_budget()) if replay is not None else False
-                    if snapshot is not None and snapshot.step(self._stream.covered):
-                        did = True
+            did = services.step(behind=backlog.waiting > self._settings.high_watermark)
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout
-            if snapshot is not None and snapshot.resyncing:  # before any later batch
-                self._resync_step(snapshot)
+            if resync is not None and resync.running:  # before any later batch
+                resync.step(closing=self.closed)
                 did = True
             elif len(backlog):
                 if deadline is not None and time.monotonic() > deadline:
@@ -252,14 +210,9 @@ class Sender:
                 if not len(backlog):
                     break
             if did:
-                self._maybe_yield()
+                self.pacing.maybe_yield()
                 continue
-            if (
-                self._stream.beats  # (snapshots on)
-                and not self.closed
-                and time.monotonic() - self._stream.last_sent >= HEARTBEAT
-            ):
-                self._stream.heartbeat()
+            if not self.closed and services.beat():
                 continue
             self.idle = True
             if len(backlog) or self.closed:
@@ -267,35 +220,49 @@ class Sender:
                 continue
             self._bell.acquire(timeout=IDLE_POLL)
             self.idle = False
-        self._show_loss()
-
-    def _replay_budget(self) -> int:
-        """Replay messages this step may send: fewer while the live stream is behind."""
-        assert self.replay is not None
-        chunk = self.replay.chunk
-        return chunk if self._backlog.waiting <= self._settings.high_watermark else chunk // 8
+        self._stream.show_loss()
 
     def _step(self, flushing: bool) -> None:
-        """One bounded unit of work: a 1:1 send, or one compaction window.
+        """One bounded unit of work: take a batch or a window and send it.
 
         The ladder: backlog at most ``high_watermark`` batches: send 1:1.
         Above it: fold, ``max_events_per_step`` events at a time (up to
-        ``WIDEN_UP_TO`` x as many while the rest of the slice holds them:
+        ``widen_up_to`` x as many while the rest of the slice holds them:
         :func:`rules_window`), and apply every rule.  A single batch larger
         than a window is compacted in parts of a window each, or encoded as it
-        is (one encode: the longest GIL hold; past ``WHOLE_FROM`` of the
-        budget, with the next batch folded in: :func:`sends_whole`).  Flushing
-        (``shutdown()``) is at the fold-only level: windows 4x larger, only
-        folded.
-        Past ``high_watermark`` batches in the hand-off deque, the sender
-        first moves them to its staging deque, so that the
-        batch budget (vLLM's ``max_queue_size``) is reached only by a sender
-        that cannot run; the event budget still counts them.  Past a budget,
-        ``publish()`` drops.
+        is (past ``whole_from`` of the budget, with the next batch folded in).
+        Flushing (``shutdown()``) is at the fold-only level: windows 4x larger,
+        only folded.  Past ``high_watermark`` batches in the hand-off deque,
+        the sender first moves them to its staging deque, so that the batch
+        budget (vLLM's ``max_queue_size``) is reached only by a sender that
+        cannot run; the event budget still counts them.
         """
-        backlog, settings = self._backlog, self._settings
-        self._stage_if_behind()
-        waiting, events_before = backlog.waiting, backlog.pending_events
+        backlog = self._backlog
+        self.pacing.keep_budget_free()
+        if self.resync is not None and self.resync.collapsing:  # past the budget
+            self._in_flight = self.resync.collapse(4 * self._settings.max_events_per_step)
+            self._finish(self._in_flight[0], [], compacted=False)
+            return
+        level = self._climb(flushing)
+        taken_events = backlog.events_out
+        window: Any  # a list of batches, or a loss marker
+        if level == Level.ONE_TO_ONE:
+            item = backlog.take_one()
+            window = item if is_loss(item) else [item[0]]  # type: ignore[index]
+            step = 0
+        else:
+            step = self._settings.max_events_per_step
+            step = 4 * step if level == Level.FOLD_ONLY else self.pacing.rules_window(step)
+            window = backlog.take(step)
+        if is_loss(window):
+            self._lost(window)
+            return
+        self._in_flight = (len(window), backlog.events_out - taken_events)
+        self._send(window, self._how(window, level, step))
+
+    def _climb(self, flushing: bool) -> Level:
+        """The ladder's level for this step (logged when it rises).  O(1)."""
+        settings, waiting = self._settings, self._backlog.waiting
         level = Level.ONE_TO_ONE
         if settings.compaction and (flushing or waiting > settings.high_watermark):
             level = Level.FOLD_ONLY if flushing else Level.RULES
@@ -306,303 +273,146 @@ class Sender:
                     f"level{int(level)}",
                     "kv-coalesce: sender behind (%d batches, %d events waiting): compacting",
                     waiting,
-                    events_before,
+                    self._backlog.pending_events,
                 )
             self._level = level
-        taken_events = backlog.events_out
+        return level
+
+    def _how(self, window: list[Any], level: Level, step: int) -> How:
+        """How to send ``window``, taken at ``level`` in a window of ``step`` events.
+        O(1), or O(events) in C for a big batch (:func:`compactable`)."""
         if level == Level.ONE_TO_ONE:
-            item = backlog.take_one()
-            if is_loss(item):
-                self._lost(item)
-                return
-            assert isinstance(item, tuple)
-            self._send_taken(item[0], item[1])
-            self._record_sent([item[0]], compacted=False)
-            return
-        step = settings.max_events_per_step
-        step = 4 * step if level == Level.FOLD_ONLY else self._rules_window(step)
-        window = backlog.take(step)
-        if is_loss(window):
-            self._lost(window)
-            return
-        assert isinstance(window, list)
-        self._in_flight = (len(window), backlog.events_out - taken_events)
-        self._record_sent(self._send_window(window, level, step), level == Level.RULES)
-        self.done += len(window)
+            return How.AS_GIVEN
+        if len(window) == 1:
+            if level == Level.FOLD_ONLY:  # nothing to fold
+                return How.AS_GIVEN
+            if event_count(window[0]) > step:
+                if self.pacing.sends_whole():  # the engine goes at the sender's pace
+                    return How.WHOLE
+                # not a KV batch: never cut in parts
+                return How.PARTS if compactable(window[0]) else How.AS_GIVEN
+        return How.RULES if level == Level.RULES else How.FOLD
+
+    # -- the send path ---------------------------------------------------------------
+
+    def _send(self, taken: list[Any], how: How) -> None:
+        """Send what a step took, ``how`` it says; the feed sees what went out; then
+        finish with it.  O(events + block hashes)."""
+        if how is How.AS_GIVEN:
+            sent = self._as_given(taken)
+        elif how is How.PARTS:
+            sent = self._parts(taken[0])
+        else:
+            if how is How.WHOLE:
+                taken = self._with_next(taken)
+            if len(taken) == 1 and how is How.WHOLE:  # nothing to fold it with
+                sent = self._as_given(taken)
+            else:
+                sent = self._compacted(taken, fold_only=how is not How.RULES, timed=True)
+        self._finish(len(taken), sent, compacted=how is not How.AS_GIVEN)
+
+    def _finish(self, batches: int, sent: list[Any], compacted: bool) -> None:
+        """The feed sees ``sent`` (``compacted``: the rules' or the fold's output); once
+        nothing waits to be sent, it has seen all of it, before ``done`` counts the
+        ``batches`` taken."""
+        feed = self.feed
+        if feed is not None:
+            feed.record(sent, compacted)
+            if not len(self._backlog):
+                feed.settle()
+        self.done += batches
         self._in_flight = (0, 0)
 
-    def _rules_window(self, step: int) -> int:
-        """:func:`rules_window` for this moment: the rest of this slice, the rules'
-        median cost on this stream.  O(1)."""
-        room = self._gil.room(time.perf_counter(), self._pending_for_budget())
-        return rules_window(step, self._rules_cost.median(), room)
+    def _as_given(self, batches: list[Any]) -> list[Any]:
+        """Each batch encoded as it is and sent; one the encoder rejects is lost,
+        visibly."""
+        for batch in batches:
+            try:
+                payload = self._encoder.encode(batch)
+            except Exception as exc:
+                self._encode_failed(exc)
+                continue
+            self._stream.emit(payload, event_count(batch))
+        return batches
 
-    def _stage_if_behind(self) -> None:
-        """Under pressure, free the batch budget (O(1) per batch staged)."""
-        if self._backlog.pending > self._settings.high_watermark:
-            self._backlog.stage()
-
-    def _record_sent(self, batches: list[Any], compacted: bool) -> None:
-        """The recorder (if snapshots are on) sees ``batches``, just sent (``compacted``:
-        by the rules); once nothing waits to be sent, it has seen all of it, before
-        ``done`` counts them.  O(hashes), amortised."""
-        snapshot = self.snapshot
-        if snapshot is None:
-            return
-        snapshot.record(batches, compacted)
-        if not len(self._backlog):
-            snapshot.settle()
-
-    def _send_window(self, window: list[Any], level: Level, step: int) -> list[Any]:
-        """The rules (or, at the fold-only level, the fold) on the event objects (C
-        or Python), then encode.  Returns the batches the recorder must see."""
-        rules = level == Level.RULES
-        if rules and len(window) == 1 and event_count(window[0]) > step:
-            return self._send_big(window[0], self._settings.max_events_per_step)
-        if not rules and len(window) == 1:
-            # nothing to fold: compact() would only classify every event to return it
-            self._send_one(window[0], self._in_flight[1])
-            return window
+    def _compacted(self, window: list[Any], fold_only: bool, timed: bool = False) -> list[Any]:
+        """The rules (or the fold) on the event objects, then every result encoded
+        and sent; if the rules cannot handle a value, or a result does not encode,
+        the window as given.  Returns the batches sent.  ``timed``: the rules' cost
+        per event sizes the next windows (:class:`RulesCost`)."""
         t0 = time.perf_counter()
-        out, payloads, rep = self._compact_encode(window, fold_only=not rules)
-        if payloads is None:  # one would not encode: the originals one by one
-            self._send_each(window)
-            return window
-        if rules and rep is not None:  # compaction and encoding, both holding the GIL
-            self._rules_cost.record((time.perf_counter() - t0) / max(self._in_flight[1], 1))
-        self._emit_all(out, payloads, rep, fold_only=not rules)
+        try:
+            out, rep = self._compact(window, fold_only)
+        except Exception as exc:  # a value the rules cannot handle: as given
+            self._compaction_failed(exc)
+            return self._as_given(window)
+        try:
+            payloads = [self._encoder.encode(b) for b in out]
+        except Exception:  # one would not encode: the originals one by one
+            return self._as_given(window)
+        if timed and not fold_only:  # compaction and encoding, both holding the GIL
+            cost = (time.perf_counter() - t0) / max(self._in_flight[1], 1)
+            self.pacing.rules_cost.record(cost)
+        for batch, payload in zip(out, payloads, strict=True):
+            self._stream.emit(payload, event_count(batch))
+        self.totals.add_pass(rep, fold_only=fold_only)
         return out
 
     def _compact(self, window: list[Any], fold_only: bool) -> tuple[list[Any], Any]:
-        """The rules (or the fold) on the event objects: :func:`compact_for_wire`
-        (merged lists written as their encoding) unless a recorder reads the result
-        or ``BlockMoved`` events are wanted.  O(events + block hashes)."""
-        if self.snapshot is None and not self._settings.move_events:
-            return compact_for_wire(window, fold_only=fold_only)
-        return compact(window, move_events=self._settings.move_events, fold_only=fold_only)
+        """:func:`compact_for_wire` (merged lists written as their encoding) unless a
+        recorder reads the result or ``BlockMoved`` events are wanted."""
+        move, accel = self._settings.move_events, self.accelerated
+        if self.feed is None and not move:
+            return compact_for_wire(window, fold_only=fold_only, accelerated=accel)
+        return compact(window, move_events=move, fold_only=fold_only, accelerated=accel)
 
-    def _send_big(self, batch: Any, step: int) -> list[Any]:
-        """One batch larger than a window, at the rules level: the rules on each
-        ``step`` events of it in turn (each a batch of its own, sent in order,
-        the GIL handed over between them) while the backlog is not near the
-        event budget; else sent as it is, in one encode (near the budget,
-        :func:`sends_whole`, with the next batch waiting folded into it).
-        Returns the batches the recorder must see."""
-        n = self._in_flight[1]
-        if self._sends_whole():  # the engine goes at the sender's pace
-            return self._send_whole(batch, n)
-        if not compactable(batch):  # not a KV batch (O(events) in C): never cut in parts
-            self._send_one(batch, n)
-            return [batch]
-        events = batch.events
-        sent: list[Any] = []
+    def _parts(self, batch: Any) -> list[Any]:
+        """The rules on each ``max_events_per_step`` events of ``batch`` in turn (each a
+        batch of its own, sent in order, the GIL handed over between them)."""
+        step, events, sent = self._settings.max_events_per_step, batch.events, []
         for i in range(0, len(events), step):
             part = msgspec.structs.replace(batch, events=events[i : i + step])
-            out, payloads, rep = self._compact_encode([part], fold_only=False)
-            if payloads is None:  # this part as given (encoded, or lost visibly)
-                self._send_one(part, len(part.events))
-                sent.append(part)
-            else:
-                self._emit_all(out, payloads, rep, fold_only=False)
-                sent += out
-            self._maybe_yield()
-            self._stage_if_behind()  # between parts, keep the batch budget free (as _step)
+            sent += self._compacted([part], fold_only=False)
+            self.pacing.maybe_yield()
+            self.pacing.keep_budget_free()  # between parts (as _step)
         return sent
 
-    def _send_whole(self, batch: Any, n: int) -> list[Any]:
-        """Past ``WHOLE_FROM`` (:func:`sends_whole`): ``batch`` and the next batch
-        waiting, if one is (no loss between them), folded into one message and
-        encoded in one call; else ``batch`` as it is.  O(events of the two).
-
-        One encode holds the GIL for both: the engine publishes a batch in each
-        of its turns, and the sender drains two in each of its own, so a backlog
-        this deep shrinks instead of holding.  Returns the batches the recorder
-        must see."""
+    def _with_next(self, taken: list[Any]) -> list[Any]:
+        """``taken`` and the next batch waiting, if one is (no loss between them): one
+        encode holds the GIL for both, so while the engine publishes a batch in each
+        of its turns the sender drains two in each of its own."""
         backlog = self._backlog
         if not backlog.next_is_batch():
-            self._send_one(batch, n)
-            return [batch]
-        taken = backlog.events_out
+            return taken
+        before = backlog.events_out
         nxt = backlog.take(1)  # one batch: the oldest item is not a loss marker
         assert isinstance(nxt, list)
         batches, events = self._in_flight
-        self._in_flight = (batches + len(nxt), events + backlog.events_out - taken)
-        pair = [batch, *nxt]
-        out, payloads, rep = self._compact_encode(pair, fold_only=True)
-        if payloads is None:  # one would not encode: each as given (or lost, visibly)
-            out = pair
-            self._send_each(pair)
-        else:
-            self._emit_all(out, payloads, rep, fold_only=True)
-        self.done += len(nxt)  # (the caller counts ``batch``)
-        return out
+        self._in_flight = (batches + len(nxt), events + backlog.events_out - before)
+        return taken + nxt
 
-    def _compact_encode(
-        self, given: list[Any], fold_only: bool
-    ) -> tuple[list[Any], list[bytes] | None, Any]:
-        """The rules (or the fold) on ``given``, then every result encoded:
-        (batches, their payloads or None if one would not encode, the report or
-        None).  A value the rules cannot handle leaves ``given`` as it was."""
-        try:
-            out, rep = self._compact(given, fold_only=fold_only)
-        except Exception as exc:  # a value the rules cannot handle: as given
-            self._compaction_failed(exc)
-            out, rep = given, None
-        return out, self._encode_all(out), rep
-
-    def _emit_all(self, out: list[Any], payloads: list[bytes], rep: Any, fold_only: bool) -> None:
-        """Send each batch of :meth:`_compact_encode`'s result, and count its pass."""
-        for b, payload in zip(out, payloads, strict=True):
-            self._emit(payload, event_count(b))
-        if rep is not None:
-            self.totals.add_pass(rep, fold_only=fold_only)
+    # -- losses and the resync ---------------------------------------------------------
 
     def _lost(self, marker: Any) -> None:
         """A loss marker of the backlog: the stream shows the loss; the recorder
         still gets what was refused."""
         self._stream.lose()
-        snapshot = self.snapshot
-        if snapshot is not None:
-            snapshot.record(marker.refused or ())
-            if marker.overflow:
-                snapshot.invalidate("more batches refused than the record bound keeps")
-            if self._settings.loss_marker == "resync":
-                snapshot.settle()
-                if snapshot.recorder.held * RESYNC_SHARE <= self._backlog.max_events:
-                    snapshot.start_resync()  # (not while it is inexact, or a reply is built)
-
-    def _resync_step(self, snapshot: SnapshotService) -> None:
-        """Send the next chunk of an in-band resync: the recorder's program after a
-        loss marker, a chunk a step, before any later batch.  One cut short
-        (shutdown, or an event that does not encode) may have sent stores the
-        state does not hold: another marker follows it."""
-        if self.closed:
-            snapshot.abandon_resync()
-            self._stream.lose()
-            return
-        try:
-            chunk = snapshot.resync_chunk()
-            payload = self._encoder.encode_now(chunk, self._rank) if chunk else None
-        except Exception as exc:
-            snapshot.abandon_resync()
-            self._stream.lose()
-            self.limited.warning(
-                "resync",
-                "kv-coalesce: a resync was cut short (%s: %.200s); %s",
-                type(exc).__name__,
-                exc,
-                self.loss_told,
-            )
-            return
-        if chunk is None:
-            self.totals.resyncs += 1
-            return
-        if payload is None:
-            return  # a step spent walking the recorder's keys
-        self._emit(payload, len(chunk))
-        self.totals.resync_events += len(chunk)
-
-    def _maybe_yield(self) -> None:
-        """Hand the GIL to the engine if the sender has held it for its turn
-        (:class:`~coalesce._policy.GilSlice`).  O(1)."""
-        gil, now = self._gil, time.perf_counter()
-        if now - gil.began < YIELD_EVERY or not gil.due(now, self._pending_for_budget()):
-            return
-        time.sleep(0)
-        # what the engine published while it had the GIL is in: a new turn
-        gil.handed_over(time.perf_counter(), self._pending_for_budget())
-
-    def _sends_whole(self) -> bool:
-        """:func:`sends_whole` now.  O(1)."""
-        return sends_whole(self._pending_for_budget(), self._backlog.max_events)
-
-    def _pending_for_budget(self) -> int:
-        """Events or batches pending, whichever is more: both count to the event budget."""
-        backlog = self._backlog
-        return max(backlog.pending_events, backlog.waiting)
-
-    def _use_pub(self, pub: zmq.Socket[bytes]) -> None:
-        """Send on ``pub`` from now on (the native send where it can: _wire)."""
-        self._pub = pub
-        self._send_message = message_sender(pub, self._seq_tail)
-        self._native_send = is_native(self._send_message)
-        self._stream.use(self._send_message)
-
-    # -- encode and send ---------------------------------------------------------
-
-    def _encode_all(self, batches: list[Any]) -> list[bytes] | None:
-        """Every batch encoded, or None if one fails to (nothing is sent here)."""
-        try:
-            return [self._encoder.encode(b) for b in batches]
-        except Exception:
-            return None
-
-    def _send_taken(self, batch: Any, n_events: int) -> None:
-        """Send one batch taken from the backlog on its own, and finish with it."""
-        self._in_flight = (1, n_events)
-        self._send_one(batch, n_events)
-        self.done += 1
-        self._in_flight = (0, 0)
-
-    def _send_each(self, batches: list[Any]) -> None:
-        """Send batches one by one as they were given (each encodes, or is lost visibly)."""
-        for b in batches:
-            self._send_one(b, event_count(b))
-
-    def _send_one(self, batch: Any, n_events: int) -> None:
-        """Encode and send one batch; a batch the encoder rejects is lost, visibly."""
-        try:
-            payload = self._encoder.encode(batch)
-        except Exception as exc:
-            self._encode_failed(exc)
-            return
-        self._emit(payload, n_events)
-
-    def _emit(self, payload: bytes, n_events: int) -> None:
-        """Send one message (holding the GIL where it can: _wire)."""
-        self._stream.emit(payload, n_events)
-
-    def published(self) -> dict[str, Any]:
-        """The counters that are ``PublisherStats`` fields.  O(1)."""
-        out = self.totals.published()
-        out.update(self._stream.published())
-        out["native_send"] = self._native_send
-        replay, snapshot = self.replay, self.snapshot
-        out.update(replay.published() if replay is not None else ReplayService.NOTHING)
-        out.update(snapshot.published() if snapshot is not None else SnapshotService.NOTHING)
-        return out
-
-    # -- losses ------------------------------------------------------------------
+        if self.resync is not None:
+            self.resync.after_loss(marker)
 
     def _encode_failed(self, exc: BaseException) -> None:
         self.totals.encode_failures += 1
         self._stream.lose()
-        self.limited.warning(
-            "encode",
-            "kv-coalesce: a batch could not be encoded and is lost (%s: %.200s); %s",
-            type(exc).__name__,
-            exc,
-            self.loss_told,
-        )
-
-    def _show_loss(self) -> None:
-        """Show a pending loss now, with no message to follow it (else it would stay
-        invisible)."""
-        self._stream.show_loss()
+        what = "a batch could not be encoded and is lost"
+        self.limited.failure("encode", what, exc, self.loss_told)
 
     def _compaction_failed(self, exc: BaseException) -> None:
         self.totals.compaction_failures += 1
-        self.limited.warning(
-            "compact",
-            "kv-coalesce: a window could not be compacted (%s: %.200s); "
-            "its batches are sent as they are",
-            type(exc).__name__,
-            exc,
-        )
+        what, then = "a window could not be compacted", "its batches are sent as they are"
+        self.limited.failure("compact", what, exc, then)
 
     def _abandon(self, why: str) -> None:
-        batches, events = self._backlog.drain()
-        self.totals.add_abandoned(batches, events)
+        batches, events = self._backlog.drain()  # (counted as dropped there)
         self.done += batches
         if batches:
             self._stream.lose()
@@ -627,11 +437,11 @@ class Sender:
         # then it is counted twice, never zero times).
         batches, events = self._in_flight
         self._in_flight = (0, 0)
-        self.totals.add_abandoned(batches, events)
+        self._backlog.abandon(batches, events)
         self.done += batches
         try:
             self._stream.lose()
             self._abandon("sender failed")
-            self._show_loss()
+            self._stream.show_loss()
         except Exception:  # the socket itself is broken: nothing more can be said on it
             log.exception("kv-coalesce: could not show the final loss")

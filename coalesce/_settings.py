@@ -12,13 +12,16 @@ docs/backpressure.md against it.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
-    "REMOVED",
+    "Budgets",
+    "Identity",
+    "LossMarker",
     "PublisherConfig",
     "Settings",
     "is_bind_endpoint",
@@ -26,13 +29,67 @@ __all__ = [
     "parse_flag",
 ]
 
-REMOVED = {
-    "payload_rules": "the rules on encoded bytes drained slower than on the event objects",
-    "coalescer": "a coalescer process drained slower and cost the engine as much as the thread",
-    "fold_only_events": "it only applied to payload_rules and the coalescer process",
+
+class LossMarker(str, enum.Enum):
+    """How a loss is told to subscribers (the ``loss_marker`` knob): the one list of
+    its names.  A ``str`` enum, so ``"clear"`` compares equal to ``LossMarker.CLEAR``."""
+
+    CLEAR = "clear"
+    """A batch holding one ``AllBlocksCleared`` takes the loss's seq."""
+    RESYNC = "resync"
+    """That marker, then the recorded state, in-band."""
+    GAP = "gap"
+    """A skipped seq."""
+
+    @property
+    def told(self) -> str:
+        """What a loss's log line says subscribers learn."""
+        return _TOLD[self]
+
+
+_TOLD = {
+    LossMarker.CLEAR: "subscribers are sent a loss marker (AllBlocksCleared)",
+    LossMarker.RESYNC: "subscribers are sent a loss marker (AllBlocksCleared), then the state",
+    LossMarker.GAP: "subscribers will see a sequence gap",
 }
-"""Knobs earlier versions had, and why each went (docs/decisions.md): given as a
-keyword or a ``COALESCE_*`` variable, each is ignored with a WARNING."""
+
+
+class Identity(str, enum.Enum):
+    """Where a live message carries the 16-byte ``publisher_id`` with snapshots on (the
+    ``snapshot_identity`` knob): vLLM PR #57789 has had both."""
+
+    BATCH = "batch"
+    """A 4th element of the batch, ``[ts, events, data_parallel_rank, publisher_id]``,
+    the seq frame 8 bytes (the PR's newest revision, vllm-project/vllm 2c481a4b:
+    ``IdentifiedKVEventBatch``; llm-d-router's reader with PR #2946)."""
+    SEQ = "seq"
+    """After the 8 seq bytes, a 24-byte seq frame; 3-element batches (the PR's earlier
+    revisions, e.g. vMaroon/vllm 08ee3e5; llm-d-router's first ``snapshot.go``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Every bound derived from ``max_pending_events``, named once
+    (docs/backpressure.md, "Budgets").  O(1)."""
+
+    events: int
+    """Events published and not yet sent past which ``publish()`` refuses a batch
+    (and batches: a batch counts at least one)."""
+    refused_recorded: int
+    """Events of refused batches one loss marker carries to the recorder (2x, and at
+    least ``snapshot_max_blocks``): with ``loss_marker=resync`` the sender collapses
+    the backlog at the first refusal, so that few wait for it."""
+    deferred: int
+    """Events the recorder's feed holds back while a walk runs (1x), past which the
+    walk is abandoned."""
+
+    @classmethod
+    def of(cls, max_pending_events: int, snapshot_max_blocks: int) -> Budgets:
+        return cls(
+            events=max_pending_events,
+            refused_recorded=max(2 * max_pending_events, snapshot_max_blocks),
+            deferred=max_pending_events,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +145,20 @@ def _endpoint(raw: Any) -> str | None:
     return raw.strip() or None
 
 
-def _loss_marker(raw: Any) -> str:
-    text = str(raw).strip().lower()
-    if text not in ("clear", "resync", "gap"):
-        raise ValueError("expected clear, resync or gap")
-    return text
+_Choice = TypeVar("_Choice", bound=enum.Enum)
+
+
+def _one_of(choices: type[_Choice]) -> Callable[[Any], _Choice]:
+    """The parser of a knob that names one of ``choices`` (any case, spaces ignored)."""
+
+    def parse(raw: Any) -> _Choice:
+        text = str(raw.value if isinstance(raw, choices) else raw).strip().lower()
+        try:
+            return choices(text)
+        except ValueError:
+            raise ValueError("expected " + ", ".join(m.value for m in choices)) from None
+
+    return parse
 
 
 def _knob(default: Any, parse: Callable[[Any], Any]) -> Any:
@@ -117,7 +183,7 @@ class Settings:
     """Events one compaction step takes (bounds each GIL hold of the sender); a rules
     window takes up to 4x as many while the rest of the sender's GIL slice holds them
     at the rules' measured cost."""
-    loss_marker: str = _knob("clear", _loss_marker)
+    loss_marker: LossMarker = _knob(LossMarker.CLEAR, _one_of(LossMarker))  # noqa: RUF009
     """How a loss (a batch refused past the budget, or one that cannot be encoded) is
     told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
     holding one ``AllBlocksCleared``, so the sequence has no hole and every consumer
@@ -142,8 +208,15 @@ class Settings:
     snapshot_endpoint: str | None = _knob(None, _endpoint)
     """Opt-in state snapshots (vLLM PR #57789's protocol): the ROUTER endpoint that
     answers ``b"snapshot"`` (bound; offset per DP rank like the others).  When set,
-    every live seq frame is 24 bytes (the seq, then a 16-byte ``publisher_id``) and an
-    idle publisher sends an empty batch every second; unset, the wire is vLLM 0.33's."""
+    every live message carries a 16-byte ``publisher_id`` (``snapshot_identity``) and
+    an idle publisher sends an empty batch every second; unset, the wire is vLLM
+    0.33's."""
+    snapshot_identity: Identity = _knob(Identity.SEQ, _one_of(Identity))  # noqa: RUF009
+    """Where a live message carries the ``publisher_id`` with snapshots on: ``seq``,
+    after the seq in a 24-byte seq frame (PR #57789's earlier revisions; every
+    llm-d-router build reads the seq from the first 8 bytes); ``batch``, a 4th batch
+    element after an 8-byte seq frame (its newest revision; llm-d-router without its
+    PR #2946 drops every such batch) (docs/subscribers.md)."""
     snapshot_max_blocks: int = _knob(1_000_000, _positive_int)
     """References the snapshot recorder holds, and blocks in the store events it keeps
     for the replay program, before it declares itself unavailable."""
@@ -178,15 +251,10 @@ class Settings:
                 raise ValueError(f"invalid {where}={raw!r}: {exc}") from None
         return cls(**values)
 
-    @classmethod
-    def removed_in_use(
-        cls, keywords: Mapping[str, Any], env: Mapping[str, str] | None = None
-    ) -> list[str]:
-        """The :data:`REMOVED` knobs given as keywords or variables, each named as given."""
-        env = os.environ if env is None else env
-        return [k for k in REMOVED if k in keywords] + [
-            env_name(k) for k in REMOVED if env_name(k) in env
-        ]
+    @property
+    def budgets(self) -> Budgets:
+        """The bounds derived from ``max_pending_events``."""
+        return Budgets.of(self.max_pending_events, self.snapshot_max_blocks)
 
     @classmethod
     def names(cls) -> frozenset[str]:

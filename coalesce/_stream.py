@@ -6,7 +6,7 @@ one :class:`Stream` and sends through nothing else.
 
 A loss (a batch refused, abandoned or unencodable) is noted with
 :meth:`Stream.lose` and shown before the next message, in one of two forms
-(:data:`LOSS_MARKERS`):
+(:class:`~coalesce._settings.LossMarker`):
 
 - ``"clear"`` (the default): the loss takes a seq of its own, carried by a
   *loss marker*, a batch holding one ``AllBlocksCleared`` for this rank. The
@@ -22,18 +22,44 @@ A loss (a batch refused, abandoned or unencodable) is noted with
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import deque
 from collections.abc import Callable
 
-from coalesce._replay import ReplayBuffer
+from coalesce._settings import LossMarker
 from coalesce._wire import Encoder, SendMessage
 from coalesce.events import AllBlocksCleared
+from coalesce.stats import StreamStats
 
-__all__ = ["LOSS_MARKERS", "Stream"]
+__all__ = ["ReplayBuffer", "Stream"]
 
-LOSS_MARKERS = ("clear", "resync", "gap")
-"""How a loss is shown on the wire: a marker message (``clear``; ``resync``, whose
-state after it the sender sends) or a skipped seq (``gap``)."""
+
+class ReplayBuffer:
+    """The last ``capacity`` sent messages as ``(seq, payload)``, seqs increasing:
+    written by the :class:`Stream` as it sends, read by ``coalesce._replay``."""
+
+    def __init__(self, capacity: int) -> None:
+        self._buf: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+
+    def append(self, seq: int, payload: bytes) -> None:
+        """Remember a sent message, evicting the oldest at capacity.  O(1)."""
+        self._buf.append((seq, payload))
+
+    def index_of(self, seq: int) -> int:
+        """Position of the first message with ``seq >= seq``.  O(log n) probes."""
+        return bisect.bisect_left(self._buf, (seq,))
+
+    def __getitem__(self, i: int) -> tuple[int, bytes]:
+        return self._buf[i]
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    @property
+    def last_seq(self) -> int:
+        """The newest buffered seq, or -1."""
+        return self._buf[-1][0] if self._buf else -1
 
 
 class Stream:
@@ -50,6 +76,7 @@ class Stream:
         "_lost",
         "_marker",
         "_send",
+        "_suffix",
         "_topic",
         "beats",
         "bytes_sent",
@@ -69,11 +96,15 @@ class Stream:
         empty: Callable[[], bytes],
         marker: Callable[[], bytes] | None,
         beats: bool = False,
+        identity: bytes | None = None,
     ) -> None:
         self._send: SendMessage = send if send is not None else _no_socket
         self.beats = beats
         """Whether :attr:`last_sent` is kept for every message (the owner sends
         heartbeats); else only markers and heartbeats set it."""
+        self._suffix = None if identity is None else b"\xc4\x10" + identity
+        """With ``identity``, every payload gets it as one more batch element (a msgpack
+        bin 8 of 16 bytes): vLLM PR #57789's ``IdentifiedKVEventBatch``."""
         self._topic = topic
         self._buffer = buffer
         self._empty = empty
@@ -92,22 +123,29 @@ class Stream:
         buffer: ReplayBuffer,
         encoder: Encoder,
         rank: int,
-        loss_marker: str,
+        loss_marker: LossMarker,
         beats: bool = False,
+        identity: bytes | None = None,
     ) -> Stream:
         """The stream of one DP rank's publisher: its empty batches and loss markers
         are that rank's, encoded by ``encoder``; ``loss_marker`` is the setting;
-        ``beats``: it sends heartbeats (keep :attr:`last_sent`)."""
-        if loss_marker not in LOSS_MARKERS:
-            raise ValueError(f"loss_marker must be one of {LOSS_MARKERS}, not {loss_marker!r}")
+        ``beats``: it sends heartbeats (keep :attr:`last_sent`); ``identity``: each
+        payload carries it as a 4th batch element."""
+        if loss_marker not in tuple(LossMarker):
+            names = [m.value for m in LossMarker]
+            raise ValueError(f"loss_marker must be one of {names}, not {loss_marker!r}")
+        loss_marker = LossMarker(loss_marker)
         cleared = [AllBlocksCleared()]
         return cls(
             send,
             topic,
             buffer,
             empty=lambda: encoder.encode_now([], rank),
-            marker=(lambda: encoder.encode_now(cleared, rank)) if loss_marker != "gap" else None,
+            marker=(lambda: encoder.encode_now(cleared, rank))
+            if loss_marker is not LossMarker.GAP
+            else None,
             beats=beats,
+            identity=identity,
         )
 
     def use(self, send: SendMessage) -> None:
@@ -128,12 +166,12 @@ class Stream:
         :meth:`_put`'s lines, inline."""
         if self._lost:
             self._show()
+        if self.beats:  # (snapshots on: the identity, the time)
+            return self._put(payload, n_events)
         seq = self.next_seq
         self._send(self._topic, seq, payload)  # if it raises, the seq is still free
         self.next_seq = seq + 1
         self._buffer.append(seq, payload)
-        if self.beats:
-            self.last_sent = time.monotonic()
         self.messages_sent += 1
         self.events_sent += n_events
         self.bytes_sent += len(payload)
@@ -162,15 +200,15 @@ class Stream:
         else:
             self.heartbeat()
 
-    def published(self) -> dict[str, int]:
-        """The counters, as ``PublisherStats`` fields."""
-        return {
-            "messages_sent": self.messages_sent,
-            "events_sent": self.events_sent,
-            "bytes_sent": self.bytes_sent,
-            "seq_gaps": self.seq_gaps,
-            "loss_markers": self.loss_markers,
-        }
+    def stats(self) -> StreamStats:
+        """The counters, frozen.  O(1)."""
+        return StreamStats(
+            messages_sent=self.messages_sent,
+            events_sent=self.events_sent,
+            bytes_sent=self.bytes_sent,
+            seq_gaps=self.seq_gaps,
+            loss_markers=self.loss_markers,
+        )
 
     def _show(self) -> None:
         if self._marker is None:
@@ -182,7 +220,11 @@ class Stream:
         self._lost = False
 
     def _put(self, payload: bytes, n_events: int) -> int:
-        """Send a marker or a heartbeat (:meth:`emit` holds the same lines)."""
+        """Send a marker, a heartbeat, or (snapshots on) any message, with its identity
+        (:meth:`emit` holds the same lines for the rest)."""
+        suffix = self._suffix
+        if suffix is not None and 0x90 <= payload[0] < 0x9F:  # a fixarray: one element more
+            payload = b"".join((bytes((payload[0] + 1,)), memoryview(payload)[1:], suffix))
         seq = self.next_seq
         self._send(self._topic, seq, payload)
         self.next_seq = seq + 1

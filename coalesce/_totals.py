@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from coalesce.compactor import rule_stats
+from coalesce.stats import SenderStats
 
 __all__ = ["RateLimited", "Totals"]
 
@@ -27,6 +28,10 @@ class RateLimited:
 
     def warning(self, key: str, msg: str, *args: object) -> None:
         self.log(logging.WARNING, key, msg, *args)
+
+    def failure(self, key: str, what: str, exc: BaseException, then: str) -> None:
+        """A WARNING that ``what`` happened because of ``exc``, and what ``then``."""
+        self.warning(key, "kv-coalesce: %s (%s: %.200s); %s", what, type(exc).__name__, exc, then)
 
     def log(self, level: int, key: str, msg: str, *args: object) -> None:
         now = time.monotonic()
@@ -45,19 +50,19 @@ class RateLimited:
 class Totals:
     """The sender's counters: written by the sender thread only, read by ``stats()``.
 
-    Named as the ``PublisherStats`` fields they become, so ``stats()`` passes
-    them through without a mapping; the compaction counters are added by name
-    from each report (:func:`coalesce.compactor.rule_stats`).
+    Named as the :class:`~coalesce.stats.SenderStats` fields they become; the
+    compaction counters are added by name from each report
+    (:func:`coalesce.compactor.rule_stats`).
     """
 
-    abandoned_batches: int = 0
-    abandoned_events: int = 0
+    batches_collapsed: int = 0
     batches_folded: int = 0
     blocks_cancelled: int = 0
     blocks_moved: int = 0
     compaction_failures: int = 0
     compaction_passes: int = 0
     encode_failures: int = 0
+    events_collapsed: int = 0
     events_merged: int = 0
     events_superseded: int = 0
     fold_only_passes: int = 0
@@ -70,14 +75,12 @@ class Totals:
         for field, stat in _RULE_STATS:
             setattr(self, stat, getattr(self, stat) + getattr(report, field))
 
-    def add_abandoned(self, batches: int, events: int) -> None:
-        self.abandoned_batches += batches
-        self.abandoned_events += events
-
-    def published(self) -> dict[str, Any]:
-        """The counters that are ``PublisherStats`` fields as they are."""
-        return {f.name: getattr(self, f.name) for f in _PUBLISHED}
+    def stats(self, *, alive: bool, accelerated: bool, native_send: bool) -> SenderStats:
+        """The counters, frozen, with the sender's gauges.  O(fields)."""
+        counts = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SenderStats(
+            sender_alive=alive, compactor_accelerated=accelerated, native_send=native_send, **counts
+        )
 
 
 _RULE_STATS = rule_stats()
-_PUBLISHED = [f for f in fields(Totals) if not f.name.startswith("abandoned")]

@@ -20,7 +20,8 @@ from typing import Any, cast
 import msgspec
 import zmq
 
-from coalesce._env import NO_ACCEL, PYZMQ_SEND, switched_on
+from coalesce._env import PYZMQ_SEND
+from coalesce._layout import load_accelerator
 from coalesce._settings import is_bind_endpoint
 from coalesce.events import KVEventBatch
 
@@ -76,6 +77,16 @@ class Sockets:
         for sock in (self.pub, self.router, self.snapshot):
             if sock is not None:
                 sock.close(linger=linger)
+
+    def close_for_shutdown(self, seconds: float) -> None:
+        """Close them as the sender thread stops.  What was sent must still reach
+        subscribers: the PUB lingers ``seconds`` (0 would discard queued messages: a
+        loss with no gap; close() does not wait, ZeroMQ's I/O thread delivers in the
+        background); the ROUTERs do not."""
+        self.pub.close(linger=int(seconds * 1000))
+        for sock in (self.router, self.snapshot):
+            if sock is not None:
+                sock.close(linger=0)
 
 
 def open_sockets(
@@ -148,7 +159,7 @@ SendMessage = Callable[[bytes, int, bytes], None]
 """``send(topic, seq, payload)``: one 3-frame message on one PUB socket."""
 
 
-def message_sender(sock: zmq.Socket[bytes], tail: bytes = b"") -> SendMessage:
+def message_sender(sock: zmq.Socket[bytes], tail: bytes = b"", native: bool = True) -> SendMessage:
     """How to send on this PUB socket: without releasing the GIL where possible.  O(1).
 
     ``tail`` (at most 16 bytes) follows the 8 seq bytes in the seq frame: the
@@ -165,13 +176,13 @@ def message_sender(sock: zmq.Socket[bytes], tail: bytes = b"") -> SendMessage:
     so this costs the engine only the copy of the frames.  Without it (not
     built, not Linux, libzmq not found, or the handle not read back as this
     PUB socket) :func:`send_message` is used.  Either raises
-    ``zmq.ZMQError`` for a closed socket.
+    ``zmq.ZMQError`` for a closed socket.  ``native=False``: pyzmq's sends always.
     """
-    native = _native()
-    if native is not None and isinstance(sock, zmq.Socket):  # (not a test's wrapper)
+    csend = _native() if native else None
+    if csend is not None and isinstance(sock, zmq.Socket):  # (not a test's wrapper)
         handle = int(sock.underlying)
-        if native.socket_type(handle) == int(zmq.PUB) == int(sock.type):
-            send = native.send
+        if csend.socket_type(handle) == int(zmq.PUB) == int(sock.type):
+            send = csend.send
 
             def send_native(topic: bytes, seq: int, payload: bytes) -> None:
                 if sock.closed:  # its handle is freed: never pass it on
@@ -215,11 +226,9 @@ def _native() -> Any:
 
 
 def _bind_native() -> Any:
-    if switched_on(NO_ACCEL) or switched_on(PYZMQ_SEND):
-        return None  # forced off (A/B measurements; COALESCE_NO_ACCEL: every accelerator)
-    try:
-        from coalesce import _csend
-    except ImportError:
+    # (COALESCE_PYZMQ_SEND: forced off for an A/B; COALESCE_NO_ACCEL: every accelerator)
+    _csend = load_accelerator("_csend", "pyzmq's sends are used", check=None, off=PYZMQ_SEND)
+    if _csend is None:
         return None
     path = loaded_libzmq()
     if path is None or not _csend.bind(path):

@@ -52,10 +52,11 @@ encoding (``msgspec.Raw``), never built as lists.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from operator import itemgetter
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -67,6 +68,9 @@ from coalesce._kinds import (
     is_kv_batch,
 )
 from coalesce._rules import compact_events, split_moves
+
+if TYPE_CHECKING:
+    from coalesce._ccompact import GroupResult, WindowResult
 
 _accel: ModuleType | None = _layout.load_accelerator("_ccompact", "the same rules run in Python")
 """The optional C accelerator (coalesce/_ccompact.c), or None: not built, or
@@ -82,8 +86,6 @@ __all__ = [
 ]
 
 
-# Fields that hold one entry per block, or describe the chain: they are what a
-# chain merge concatenates, so they are not part of the "all other fields equal" test.
 def _rule(stat: str, doc: str) -> Any:
     """A rule's counter: ``stat`` names the ``PublisherStats`` field it adds to."""
     return field(default=0, metadata={"stat": stat, "doc": doc})
@@ -119,22 +121,44 @@ def rule_stats() -> tuple[tuple[str, str], ...]:
     return tuple((f.name, f.metadata["stat"]) for f in fields(CompactionReport) if f.metadata)
 
 
-# --- rule 2: supersede --------------------------------------------------------
+def _counts_picker(c_fields: Sequence[str]) -> Callable[[Any], tuple[int, ...]]:
+    """A function of the C window's result (fields named ``c_fields``) that returns
+    :class:`CompactionReport`'s positional arguments: the counts of the fields the
+    C fills (the first ones; ``moved`` keeps its default), each picked here once
+    by its name.  A reorder on either side changes where a count is read, never
+    which report field it fills, and the window path builds the report
+    positionally, at the cost it always had."""
+    names = [f.name for f in fields(CompactionReport)]
+    picked = [n for n in names if n in c_fields]
+    if not picked or names[: len(picked)] != picked:
+        raise RuntimeError("the report fields the C fills must be its first ones")
+    return itemgetter(*(list(c_fields).index(n) for n in picked))
+
+
+_pickers: dict[type, Callable[[Any], tuple[int, ...]]] = {}
+"""The report's arguments from the C window's result, per result class (one)."""
+
+
+def _picker_of(result_type: Any) -> Callable[[Any], tuple[int, ...]]:
+    pick = _pickers[result_type] = _counts_picker(result_type.__match_args__)
+    return pick
 
 
 # --- the pipeline -------------------------------------------------------------
 
 
-def _compact_events(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:
-    """Rules 2 to 6 on one folded group: in C when the accelerator takes the window."""
-    if _accel is not None and not move_events:
+def _compact_events(
+    events: list[Any], move_events: bool, counts: Counter[str], accel: Any = _accel
+) -> list[Any]:
+    """Rules 2 to 6 on one folded group: in C when ``accel`` (the accelerator, or None)
+    takes the window."""
+    if accel is not None and not move_events:
         result = _accelerated(events)
-        if result is not None:
-            out, superseded, cancelled, merged = result
-            counts["superseded"] += superseded
-            counts["cancelled"] += cancelled
-            counts["merged"] += merged
-            return out
+        if result is not None:  # (the C result's counts are named as the report's fields)
+            counts["superseded"] += result.superseded
+            counts["cancelled"] += result.cancelled
+            counts["merged"] += result.merged
+            return result.events
     return compact_events(events, move_events, counts)
 
 
@@ -160,7 +184,7 @@ def _register(cls: type) -> None:
     _accel.register(cls, _accel_kind(cls), tuple(names))
 
 
-def _is_kv_batch(batch: Any) -> bool:
+def _is_kv_batch(batch: Any, accel: Any = _accel) -> bool:
     """:func:`coalesce._kinds.is_kv_batch`, answered in C for classes the accelerator knows.
 
     O(events) in C.  A batch of a class not offered to the accelerator yet
@@ -168,16 +192,16 @@ def _is_kv_batch(batch: Any) -> bool:
     rules, is answered in C too); classes it refuses are answered in Python.
     """
     events = batch.events
-    if _accel is None or type(events) is not list:
+    if accel is None or type(events) is not list:
         return is_kv_batch(batch)
-    if _accel.all_known(events):
+    if accel.all_known(events):
         return True
     classes = set(map(type, events))
     new = classes - _offered
     if new and len(_offered) + len(new) <= _OFFER_LIMIT:
         for cls in new:
             _register(cls)
-        if _accel.all_known(events):
+        if accel.all_known(events):
             return True
     return all_kv_classes(classes)
 
@@ -189,7 +213,7 @@ def compactable(batch: Any) -> bool:
     return _is_kv_batch(batch)
 
 
-def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
+def _accelerated(events: list[Any]) -> GroupResult | None:
     """The C rules' result, or None for a window they decline.  O(events + hashes).
 
     The first window holding a class unknown to the accelerator registers it
@@ -210,7 +234,7 @@ def _accelerated(events: list[Any]) -> tuple[list[Any], int, int, int] | None:
 
 def _accelerated_window(
     batches: list[Any], fold_only: bool, wire: bool = False
-) -> tuple[Any, ...] | None:
+) -> WindowResult | None:
     """The C driver's result for a whole window (fold, then each group's rules),
     or None for a window it declines.  O(batches + events + hashes).
 
@@ -221,7 +245,7 @@ def _accelerated_window(
     tried: set[type] = set()
     while True:
         result = _accel.compact_window(batches, fold_only, wire)
-        if result is None or len(result) != 2:
+        if type(result) is not tuple:  # a WindowResult (a named tuple), or None
             return result  # type: ignore[no-any-return]
         code, cls = result
         if cls in tried:
@@ -252,7 +276,11 @@ def _accel_kind(cls: type) -> int:
 
 
 def compact(
-    batches: Sequence[Any], *, move_events: bool = False, fold_only: bool = False
+    batches: Sequence[Any],
+    *,
+    move_events: bool = False,
+    fold_only: bool = False,
+    accelerated: bool = True,
 ) -> tuple[list[Any], CompactionReport]:
     """Compact a window of pending batches; return the batches to send instead.
 
@@ -271,13 +299,14 @@ def compact(
     the accelerator built, a window without moves is folded and compacted in
     one C call (the Python driver, :func:`_compact_py`, takes the windows it
     declines); with ``fold_only`` it is one list concatenation per group.
-    docs/benchmarks.md has both measured against encoding.
+    docs/benchmarks.md has both measured against encoding.  ``accelerated=False``:
+    the pure-Python rules even where the C ones are built (an A/B, or an oracle).
     """
-    return _compact(batches, move_events, fold_only, wire=False)
+    return _compact(batches, move_events, fold_only, wire=False, accel=_use(accelerated))
 
 
 def compact_for_wire(
-    batches: Sequence[Any], *, fold_only: bool = False
+    batches: Sequence[Any], *, fold_only: bool = False, accelerated: bool = True
 ) -> tuple[list[Any], CompactionReport]:
     """:func:`compact` without moves, for a caller that only encodes the result.
 
@@ -292,23 +321,27 @@ def compact_for_wire(
     Cost: as :func:`compact`; the concatenated lists' elements are written as
     bytes, once.
     """
-    return _compact(batches, False, fold_only, wire=True)
+    return _compact(batches, False, fold_only, wire=True, accel=_use(accelerated))
+
+
+def _use(accelerated: bool) -> ModuleType | None:
+    """The accelerator, if built and wanted."""
+    return _accel if accelerated else None
 
 
 def _compact(
-    batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool
+    batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool, accel: Any
 ) -> tuple[list[Any], CompactionReport]:
-    if _accel is not None and not move_events and type(batches) is list:
-        result = _accelerated_window(batches, fold_only, wire)
-        if result is not None:
-            out, ev_in, ev_out, folded, superseded, cancelled, merged = result
-            report = (len(batches), len(out), ev_in, ev_out, folded, merged, cancelled, superseded)
-            return out, CompactionReport(*report)  # the order of its fields
-    return _compact_py(batches, move_events, fold_only)
+    if accel is not None and not move_events and type(batches) is list:
+        r = _accelerated_window(batches, fold_only, wire)
+        if r is not None:  # its counts picked by name (_c_counts)
+            pick = _pickers.get(type(r)) or _picker_of(type(r))
+            return r.batches, CompactionReport(*pick(r))
+    return _compact_py(batches, move_events, fold_only, accel)
 
 
 def _compact_py(
-    batches: Sequence[Any], move_events: bool, fold_only: bool
+    batches: Sequence[Any], move_events: bool, fold_only: bool, accel: Any = None
 ) -> tuple[list[Any], CompactionReport]:
     """:func:`compact`'s driver in Python: the fallback for windows the C one
     declines (and for moves), and its oracle.  Each group's rules still run in C
@@ -323,7 +356,7 @@ def _compact_py(
         first = batches[i]
         events_in += len(first.events)
         groups += 1
-        if not _is_kv_batch(first):
+        if not _is_kv_batch(first, accel):
             out.append(first)
             i += 1
             continue
@@ -332,7 +365,7 @@ def _compact_py(
             j < n
             and type(batches[j]) is type(first)
             and batches[j].data_parallel_rank == first.data_parallel_rank
-            and _is_kv_batch(batches[j])
+            and _is_kv_batch(batches[j], accel)
         ):
             events_in += len(batches[j].events)
             j += 1
@@ -344,7 +377,7 @@ def _compact_py(
         events: list[Any] = []
         for b in batches[i:j]:
             events.extend(b.events)
-        new = events if fold_only else _compact_events(events, move_events, counts)
+        new = events if fold_only else _compact_events(events, move_events, counts, accel)
         if (
             j == i + 1
             and len(new) == len(first.events)

@@ -31,18 +31,25 @@ from typing import Any
 
 import msgspec
 
+from coalesce import _hooks
 from coalesce._backlog import Backlog
-from coalesce._replay import ReplayBuffer
+from coalesce._feed import Feed
+from coalesce._gate import Gate
+from coalesce._recorder import Recorder
+from coalesce._replay import ReplayService
 from coalesce._sender import Sender
+from coalesce._services import Services
 from coalesce._settings import (
-    REMOVED,
+    Identity,
+    LossMarker,
     PublisherConfig,
     Settings,
     is_bind_endpoint,
     offset_endpoint,
 )
-from coalesce._snapshot import SnapshotService
-from coalesce._wire import native_send, open_sockets
+from coalesce._snapshot import SnapshotServer
+from coalesce._stream import ReplayBuffer, Stream
+from coalesce._wire import Encoder, is_native, message_sender, native_send, open_sockets
 from coalesce.compactor import accelerated
 from coalesce.stats import PublisherStats
 
@@ -63,7 +70,12 @@ class PublishOutcome(enum.Enum):
 
 
 def _log_start(
-    endpoint: str, bind: bool, replay: str | None, snapshot: str | None, pid: bytes | None
+    endpoint: str,
+    bind: bool,
+    replay: str | None,
+    snapshot: str | None,
+    pid: bytes | None,
+    identity: Identity,
 ) -> None:
     """Say once where this publisher is and which compaction rules it runs, and warn
     about vLLM's connect rule (``bind``: as the endpoint was given; a bound
@@ -75,19 +87,25 @@ def _log_start(
         "" if replay is None else f"; replay on {replay} (bound)",
     )
     if snapshot is not None and pid is not None:
+        in_batch = identity is Identity.BATCH
         log.info(
-            "kv-coalesce: snapshots on %s (bound), publisher_id %s: every live seq frame "
-            "carries it after the seq (24 bytes), and an idle publisher sends an empty "
-            "batch every second",
+            "kv-coalesce: snapshots on %s (bound), publisher_id %s: every live message "
+            "carries it (%s), and an idle publisher sends an empty batch every second",
             snapshot,
             pid.hex(),
+            "a 4th batch element" if in_batch else "after the seq: 24-byte seq frames",
         )
         log.warning(
-            "kv-coalesce: with snapshots on, live seq frames are 24 bytes (vLLM PR #57789): "
-            "NVIDIA Dynamo's indexer (1.6.1 and earlier) rejects every message, and vLLM's "
-            "example subscriber reads all 24 bytes as the seq (a gap at every message); "
-            "llm-d-router (it reads the first 8 bytes), vLLM's decoder and "
-            "coalesce.subscriber read them (docs/subscribers.md)"
+            "kv-coalesce: with snapshots on, %s (vLLM PR #57789%s): NVIDIA Dynamo's indexer "
+            "(1.6.1 and earlier) rejects every message; %s; vLLM's decoder and "
+            "coalesce.subscriber read them (docs/subscribers.md)",
+            "live batches have 4 elements" if in_batch else "live seq frames are 24 bytes",
+            ", its newest revision" if in_batch else ", its earlier revisions",
+            "llm-d-router without its PR #2946 rejects batches of 4 elements "
+            "(snapshot_identity=seq puts the id in the seq frame instead)"
+            if in_batch
+            else "llm-d-router reads the first 8 bytes, and the PR's newest example "
+            "subscriber, which wants 8, rejects every message (snapshot_identity=batch)",
         )
     log.info(
         "kv-coalesce: compaction rules run in %s",
@@ -112,6 +130,16 @@ def _log_start(
             endpoint,
             port,
         )
+
+
+def _tapped(send: Any, tap: _hooks.Tap) -> Any:
+    """``send``, then ``tap`` on what it sent."""
+
+    def tapped(topic: bytes, seq: int, payload: bytes) -> None:
+        send(topic, seq, payload)
+        tap(topic, seq, payload)
+
+    return tapped
 
 
 def _collected(sender: Sender) -> None:
@@ -180,10 +208,7 @@ class CoalescingPublisher:
         knobs = Settings.names()
         # keywords that are not knobs come from a newer vLLM: accepted and ignored
         self.settings = Settings.resolve(**{k: v for k, v in keywords.items() if k in knobs})
-        for name in Settings.removed_in_use(keywords):
-            knob = name.removeprefix("COALESCE_").lower()
-            log.warning("kv-coalesce: %s is no longer a knob, ignored: %s", name, REMOVED[knob])
-        ignored = sorted(set(keywords) - knobs - set(REMOVED))
+        ignored = sorted(set(keywords) - knobs)
         if ignored:
             log.info("kv-coalesce: ignoring keywords this version does not know: %s", ignored)
         self._rank = data_parallel_rank
@@ -210,8 +235,9 @@ class CoalescingPublisher:
         pub_ep, replay_ep = socks.endpoint, socks.replay_endpoint
         snap_ep = socks.snapshot_endpoint
         snap_sock = socks.snapshot
+        self._socks = socks
         self.snapshot_endpoint = snap_ep
-        _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id)
+        _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id, st.snapshot_identity)
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,
@@ -223,35 +249,65 @@ class CoalescingPublisher:
             snapshot_max_blocks=st.snapshot_max_blocks,
             snapshot_max_response_bytes=st.snapshot_max_response_bytes,
         )
+        hooks = _hooks.current()
         # max_queue_size=0 is vLLM's unbounded queue: the event budget still bounds memory
-        batch_budget = max_queue_size or sys.maxsize
+        budgets = st.budgets
         # with a recorder (snapshots, or resyncs), batches refused over budget still
-        # reach it, up to twice the event budget per loss (then it is unavailable
-        # until a clear)
-        resyncs = st.loss_marker == "resync"
-        records = snap_ep is not None or resyncs
+        # reach it, up to budgets.refused_recorded events per loss (then it is
+        # unavailable until a clear)
+        records = snap_ep is not None or st.loss_marker is LossMarker.RESYNC
         self._backlog = Backlog(
-            batch_budget,
-            self.settings.max_pending_events,
-            self.settings.stall_timeout,
-            record_events=2 * self.settings.max_pending_events if records else 0,
+            max_queue_size or sys.maxsize,
+            budgets.events,
+            st.stall_timeout,
+            record_events=budgets.refused_recorded if records else 0,
         )
-        snapshot = None
-        if snap_sock is not None or resyncs:
-            snapshot = SnapshotService.from_settings(
-                snap_sock, self.publisher_id, data_parallel_rank, self.settings
+        encoder = Encoder()
+        buffer = ReplayBuffer(buffer_steps)
+        pid, in_batch = self.publisher_id, st.snapshot_identity is Identity.BATCH
+        self._stream = stream = Stream.of_rank(
+            None, topic_b, buffer, encoder, data_parallel_rank, st.loss_marker,
+            beats=pid is not None, identity=pid if in_batch else None,
+        )  # fmt: skip
+        tail = b"" if pid is None or in_batch else pid
+        send = message_sender(socks.pub, tail, native=hooks.accelerated)
+        stream.use(send if hooks.tap is None else _tapped(send, hooks.tap))
+        self._feed = feed = None
+        if records:
+            recorder = Recorder(
+                st.snapshot_max_blocks, accelerated=None if hooks.accelerated else False
             )
+            feed = Feed(
+                recorder,
+                max_deferred_events=budgets.deferred,
+                policy=hooks.policy,
+                accelerated=hooks.accelerated,
+            )
+            self._feed = feed
+        snapshot = None
+        if snap_sock is not None and feed is not None and self.publisher_id is not None:
+            snapshot = SnapshotServer(
+                snap_sock, feed, self.publisher_id, data_parallel_rank,
+                max_response_bytes=st.snapshot_max_response_bytes,
+            )  # fmt: skip
+        replay = None
+        if socks.router is not None:
+            replay = ReplayService.from_settings(socks.router, buffer, topic_b, st)
         self._batch_types: set[type] = set()
+        self._gate = Gate()
         self._sender = Sender(
-            pub=socks.pub,
-            router=socks.router,
-            topic=topic_b,
-            rank=data_parallel_rank,
+            stream=stream,
+            encoder=encoder,
+            services=Services(replay, snapshot, stream),
             backlog=self._backlog,
-            buffer=ReplayBuffer(buffer_steps),
-            settings=self.settings,
-            snapshot=snapshot,
-            publisher_id=self.publisher_id,
+            settings=st,
+            policy=hooks.policy,
+            gate=self._gate,
+            rank=data_parallel_rank,
+            feed=feed,
+            accelerated=hooks.accelerated,
+            native_send=is_native(send),
+            close_sockets=lambda: socks.close_for_shutdown(st.shutdown_timeout),
         )
         self._closed = False
         self._sender_gone = False  # shutdown() has stopped the sender (under the lock)
@@ -341,19 +397,16 @@ class CoalescingPublisher:
 
     def stats(self) -> PublisherStats:
         """A frozen snapshot of the counters.  O(1); safe from any thread."""
-        b, s = self._backlog, self._sender
-        t = s.totals
-        return PublisherStats(
-            batches_in=b.batches_in,
-            events_in=b.events_in,
-            batches_dropped=b.batches_dropped + t.abandoned_batches,
-            events_dropped=b.events_dropped + t.abandoned_events,
-            backlog_batches=b.waiting,
-            backlog_events=b.pending_events,
-            backlog_peak=b.peak,
-            sender_alive=s.alive,
-            compactor_accelerated=accelerated(),
-            **s.published(),
+        sender, services, feed = self._sender, self._sender.services, self._feed
+        snapshot = services.snapshot_stats()
+        if services.snapshot is None and feed is not None:  # a recorder for resyncs only
+            snapshot = feed.stats()
+        return PublisherStats.compose(
+            self._backlog.stats(),
+            sender.stats(accelerated=accelerated() and sender.accelerated),
+            self._stream.stats(),
+            services.replay_stats(),
+            snapshot,
         )
 
     def get_publisher_config(self) -> Any:
@@ -375,7 +428,8 @@ class CoalescingPublisher:
         return self.config
 
     def flush(self, timeout: float = 1.0) -> bool:
-        """Wait until every batch accepted so far is sent (or counted lost).
+        """Wait until every batch accepted so far is sent (or counted lost), and what
+        waits behind them (refused batches for the recorder, a resync) is done with.
 
         Returns False if that took longer than ``timeout`` seconds, or if the
         sender stopped before it was done.  This one *does* block the caller
@@ -385,7 +439,8 @@ class CoalescingPublisher:
         target = self._backlog.batches_in
         deadline = time.monotonic() + timeout
         sender = self._sender
-        while sender.done < target:
+        backlog = self._backlog
+        while sender.done < target or sender.resyncing or len(backlog):
             if time.monotonic() >= deadline or not sender.thread.is_alive():
                 return False
             time.sleep(0.001)
@@ -420,9 +475,7 @@ class CoalescingPublisher:
         with self._shutdown_lock:
             if stopped:
                 self._sender_gone = True
-            batches, events = self._backlog.drain()
-            if batches:
-                self._sender.totals.add_abandoned(batches, events)
+            batches, _ = self._backlog.drain()  # (counted as dropped there)
         if batches:
             log.warning("kv-coalesce: %d batches published during shutdown were not sent", batches)
 

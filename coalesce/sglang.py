@@ -98,11 +98,6 @@ def _unsupported(keywords: dict[str, Any]) -> str | None:
             "snapshots speak vLLM PR #57789's dialect, and SGLang's own snapshot protocol "
             "(PR #34407) differs and is not merged"
         )
-    if st.loss_marker == "resync":
-        return (
-            "loss_marker=resync is not available for SGLang: resyncs have not been run "
-            "against SGLang's consumers; use clear (the default)"
-        )
     if st.move_events:
         return "move_events is not available for SGLang: its consumers do not know BlockMoved"
     return None
@@ -117,9 +112,10 @@ class SGLangPublisher(CoalescingPublisher):
     ``max_queue_size``, ``topic`` and ``bind`` (unset: bind ``*``, ``::``,
     ``0.0.0.0``, ``ipc://`` and ``inproc://`` endpoints, connect to the
     rest), plus the ``COALESCE_*`` knobs; unknown keywords are accepted and
-    ignored.  Raises ``ValueError`` for settings SGLang's consumers cannot
-    read (snapshots, resyncs, moves) and, like the base class, for a bad
-    setting or endpoint.
+    ignored.  ``loss_marker=resync`` sends SGLang's own recorded stores (their
+    ``cache_salt`` and attribution as published).  Raises ``ValueError`` for
+    settings SGLang's consumers cannot read (snapshots, moves) and, like the base
+    class, for a bad setting or endpoint.
     """
 
     def __init__(

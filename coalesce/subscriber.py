@@ -229,9 +229,16 @@ def _decode_for_index(payload: bytes) -> tuple[float, list[IndexEvent], int | No
     return ts, [_index_view(ev) for ev in events], rank, unknown
 
 
-def publisher_id(seq_frame: bytes) -> bytes | None:
-    """The 16-byte ``publisher_id`` of a 24-byte seq frame (snapshots on), else None.  O(1)."""
-    return seq_frame[8:] if len(seq_frame) == 24 else None
+def publisher_id(seq_frame: bytes, payload: bytes = b"") -> bytes | None:
+    """The 16-byte ``publisher_id`` a live message carries with snapshots on: after the
+    seq in a 24-byte seq frame, or as a 4th batch element (a msgpack bin 8 of 16
+    bytes at the payload's end: vLLM PR #57789's ``IdentifiedKVEventBatch``); else
+    None.  O(1)."""
+    if len(seq_frame) == 24:
+        return seq_frame[8:]
+    if payload[:1] == b"\x94" and payload[-18:-16] == b"\xc4\x10":
+        return payload[-16:]
+    return None
 
 
 @dataclass
@@ -376,7 +383,7 @@ class Subscriber:
             return 0
         seq = int.from_bytes(frames[1][:8], "big")
         payload = frames[2]
-        pid = publisher_id(frames[1])
+        pid = publisher_id(frames[1], payload)
         last = src.last_seq
         if last is not None and pid != src.publisher_id:
             src.restarts += 1  # another publisher_id: the publisher restarted

@@ -1,71 +1,104 @@
 """Hooks for measuring the library: what its benchmarks and tests use beyond the public API.
 
-Not for production code.  Each name here is a way to look inside, or to switch
-one mechanism off for an A/B, kept in one place so that ``benchmarks/`` imports
-nothing private and a change inside the library breaks this module's tests, not
-a benchmark months later.  Nothing here changes what the library does unless
-called.
+Not for production code.  Each hook is given to a publisher when it is built
+(:func:`hooks`, :func:`policy`, :func:`without_accelerator`: blocks that set
+what publishers built inside them get), or acts on one publisher
+(:func:`held`); nothing here patches a module.  The tools and benchmarks import
+this module and the public API only, so a change inside the library breaks
+this module's tests, not a benchmark months later.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields, replace
 from typing import Any
 
-from coalesce import _policy, compactor
+from coalesce import _hooks
+from coalesce._feed import Feed
+from coalesce._hooks import Hooks, Tap
+from coalesce._policy import DEFAULT_POLICY, Policy
 from coalesce._recorder import Recorder
 from coalesce._sender import IDLE_POLL
-from coalesce._snapshot import SnapshotService
-from coalesce._wire import Encoder
+from coalesce._settings import env_name
+from coalesce._wire import Encoder, native_send
+from coalesce.compactor import accelerated
 
 __all__ = [
+    "DEFAULT_POLICY",
     "IDLE_POLL",
     "POLICY",
     "Encoder",
+    "Feed",
+    "Hooks",
+    "Policy",
     "Recorder",
-    "SnapshotService",
+    "accelerators",
+    "env_name",
     "held",
+    "hooks",
     "policy",
-    "tap_sends",
+    "tapped",
     "without_accelerator",
 ]
 
-POLICY = frozenset(
-    ["PRESSURE_FROM", "PRESSURE_SLICE", "RECORD_FROM", "RECORD_WINDOW", "WHOLE_FROM", "WIDEN_UP_TO"]
-)
-"""The sender's tuning constants :func:`policy` may set (coalesce/_policy.py)."""
+POLICY = frozenset(f.name.upper() for f in fields(Policy))
+"""The sender's tuning constants :func:`policy` may set (``coalesce._policy.Policy``'s
+fields, named in capitals)."""
 
 
 @contextmanager
-def policy(**constants: float) -> Iterator[None]:
-    """Run the sender with some of its tuning changed, for an A/B; restored on exit.
+def hooks(**given: Any) -> Iterator[Hooks]:
+    """Publishers built while the block runs get these :class:`Hooks` fields (``policy``,
+    ``accelerated``, ``tap``), the rest as they are; yields the hooks.  Raises
+    ``TypeError`` for a name that is not a field."""
+    now = replace(_hooks.current(), **given)
+    undo = _hooks.use(now)
+    try:
+        yield now
+    finally:
+        undo()
 
-    ``constants``: names in :data:`POLICY` and their values, read by every sender
-    of this process while the block runs.  Raises ``ValueError`` for any other name.
+
+@contextmanager
+def policy(**constants: float) -> Iterator[Policy]:
+    """Publishers built while the block runs get the sender's tuning changed, for an
+    A/B; yields that policy.
+
+    ``constants``: names in :data:`POLICY` and their values.  Raises
+    ``ValueError`` for any other name.
     """
     unknown = set(constants) - POLICY
     if unknown:
         raise ValueError(f"not a policy constant: {sorted(unknown)} (known: {sorted(POLICY)})")
-    saved = {name: getattr(_policy, name) for name in constants}
-    try:
-        for name, value in constants.items():
-            setattr(_policy, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(_policy, name, value)
+    changed = replace(_hooks.current().policy, **{k.lower(): v for k, v in constants.items()})  # type: ignore[arg-type]
+    with hooks(policy=changed):
+        yield changed
 
 
 @contextmanager
 def without_accelerator() -> Iterator[None]:
-    """:func:`coalesce.compactor.compact` runs the pure-Python rules while the block runs."""
-    accel = compactor._accel
-    compactor._accel = None
-    try:
+    """Publishers built while the block runs use no C path: the pure-Python rules,
+    recorder and pyzmq's sends (call ``compact(..., accelerated=False)`` for the rules
+    alone)."""
+    with hooks(accelerated=False):
         yield
-    finally:
-        compactor._accel = accel
+
+
+def tapped(tap: Tap) -> Any:
+    """A block whose publishers call ``tap(topic, seq, payload)`` after each message they
+    send (live messages, loss markers and heartbeats, in the sender thread)."""
+    return hooks(tap=tap)
+
+
+def accelerators() -> dict[str, bool]:
+    """Which C accelerators run in this process: ``compactor``, ``recorder``, ``send``."""
+    return {
+        "compactor": accelerated(),
+        "recorder": Recorder(1).accelerated,
+        "send": native_send(),
+    }
 
 
 @contextmanager
@@ -73,25 +106,12 @@ def held(pub: Any) -> Iterator[None]:
     """Hold ``pub``'s sender thread still (it takes nothing from the backlog) while the
     block runs: a deterministic stand-in for a sender that cannot get the GIL.
 
-    The thread is parked on an event, not kept off the GIL by the switch interval,
+    The thread is parked at its gate, not kept off the GIL by the switch interval,
     so this holds on free-threaded CPython too.  Do not call ``shutdown()`` inside:
     it waits for the held thread."""
-    sender = pub._sender
-    sender.hold()
+    gate = pub._gate
+    gate.hold(pub._sender.wake)
     try:
         yield
     finally:
-        sender.release()
-
-
-def tap_sends(pub: Any, tap: Callable[[bytes, int, bytes], None]) -> None:
-    """Call ``tap(topic, seq, payload)`` after each message ``pub`` sends from now on
-    (live messages, loss markers and heartbeats, in the sender thread).  O(1)."""
-    stream = pub._sender._stream
-    send = stream._send
-
-    def tapped(topic: bytes, seq: int, payload: bytes) -> None:
-        send(topic, seq, payload)
-        tap(topic, seq, payload)
-
-    stream.use(tapped)
+        gate.release()

@@ -167,7 +167,7 @@ def _stock_until_it_blocks(
 ) -> tuple[PublisherResult, WorkloadConfig]:
     """Run the stock row; while it never blocked, grow the burst and run it again (at
     most :data:`GROWTHS` times).  The rows after it use the burst it ended with."""
-    from coalesce._settings import Settings
+    from coalesce import Settings
 
     stock = run_publisher("stock", cfg, queue)
     for _ in range(GROWTHS):

@@ -7,6 +7,7 @@ A generated table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``
 from __future__ import annotations
 
 import ast
+import enum
 import inspect
 import pathlib
 import re
@@ -15,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from coalesce import _settings
-from coalesce._settings import PublisherConfig, Settings, env_name
+from coalesce import PublisherConfig, Settings
+from coalesce.testing import env_name
 
 __all__ = ["TABLES", "bench_results", "config_table", "headline", "regenerate", "render_into"]
 
@@ -25,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass in coalesce/_settings.py."""
-    tree = ast.parse(inspect.getsource(_settings))
+    tree = ast.parse(inspect.getsource(inspect.getmodule(cls) or cls))
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     docs: dict[str, str] = {}
     for node, after in zip(body.body, body.body[1:], strict=False):  # (each node and the next)
@@ -53,6 +54,8 @@ def _shown(value: Any) -> str:
         return "on" if value else "off"
     if isinstance(value, int):
         return f"{value:,}"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
     return str(value) if value != "" else '`""`'
 
 

@@ -24,7 +24,12 @@ from coalesce_tools.host import host
 
 __all__ = ["RESULTS", "header", "read_results", "recording", "row", "run", "write_result"]
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(
+    os.environ.get("COALESCE_RESULTS_DIR")
+    or Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+)
+"""Where result files go: ``benchmarks/results/``, or ``COALESCE_RESULTS_DIR`` (a
+before/after run's temporary folder: benchmarks/bench_against.py)."""
 
 
 class _Tee(io.TextIOBase):

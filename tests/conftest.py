@@ -17,6 +17,7 @@ import pytest
 import zmq
 from hypothesis import settings
 
+from coalesce._wire import message_sender
 from coalesce.events import KVEventBatch
 from coalesce.publisher import CoalescingPublisher, PublishOutcome
 from coalesce.testing import held as held  # (the tests import it from here)
@@ -247,8 +248,8 @@ def assert_the_engines_publisher_blocks(theirs: Any, batches: list[Any]) -> None
 def assert_ours_never_blocks(ours: Any, batches: list[Any]) -> StalledSocket:
     """The same stalled sender under coalesce: every ``publish()`` returns and nothing is
     lost (the engine's publisher only waits).  Returns the stall, still held."""
-    stall = StalledSocket(ours._sender._pub)
-    ours._sender._use_pub(stall)
+    stall = StalledSocket(ours._socks.pub)
+    ours._stream.use(message_sender(stall))
     t = publish_in_thread(ours, batches)
     t.join(10)
     assert not t.is_alive(), "publish() must never block"

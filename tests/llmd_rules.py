@@ -10,7 +10,12 @@ and cannot be installed here.  Small on purpose, and no more than its source:
 - ``pkg/kvevents/pool.go`` at the same commit: ``AllBlocksCleared`` clears the
   pod in every tier (``clearPod``); stores and removals are reference-counted,
   and a store whose parent the pod does not hold is dropped (the facts sheet's
-  "llmd" model: :class:`coalesce.refmodel.SubscriberModel`).
+  "llmd" model: :class:`coalesce.refmodel.SubscriberModel`);
+- ``pkg/kvevents/engineadapter/vllm_adapter.go`` at the same commit:
+  ``ParseMessage`` decodes the batch into a 3-field array struct with
+  vmihailenco/msgpack v5.4.1, which fails on any other element count (checked
+  by running that library: a 4-element batch, vLLM PR #57789's newest
+  ``IdentifiedKVEventBatch``, is dropped, and so is a 2-element one).
 
 Left out: the 2-minute overall replay timeout and the per-attempt retries
 (a reply here either comes whole within ``timeout`` or counts as failed), the
@@ -179,6 +184,13 @@ class LlmdRulesConsumer:
 
     def _apply(self, payload: bytes) -> None:
         batch = msgspec.msgpack.decode(payload)
+        if not isinstance(batch, list) or len(batch) != 3:
+            # engineadapter/vllm_adapter.go:68 (ParseMessage) decodes the batch into a
+            # 3-field array struct with vmihailenco/msgpack v5.4.1, which wants exactly
+            # 3 elements ("number of fields in array-encoded struct has changed"): the
+            # batch is dropped, its seq already taken
+            self.skipped += 1
+            return
         for ev in batch[1]:
             kind = ev.get("type") if isinstance(ev, dict) else ev[0]
             if kind == "BlockStored":

@@ -387,7 +387,7 @@ def test_the_window_driver_leaks_no_references() -> None:
     counts = [sys.getrefcount(o) for o in watched]
     for fold_only in (False, True) * 100:
         result = compactor._accelerated_window(list(batches), fold_only)
-        assert result is not None and len(result) == 7
+        assert result is not None and len(result) == 9
         del result
     assert [sys.getrefcount(o) for o in watched] == counts
 
@@ -578,3 +578,54 @@ def test_wire_leaks_no_references() -> None:
         wire, _ = compactor.compact_for_wire(list(batches))
         del wire
     assert [sys.getrefcount(o) for o in watched] == counts
+
+
+# --- the C results, by name -------------------------------------------------------
+
+
+def test_the_c_results_name_report_fields() -> None:
+    """Every count the C returns is named as the CompactionReport field it fills."""
+    import dataclasses
+
+    from coalesce import _ccompact
+
+    report = {f.name for f in dataclasses.fields(compactor.CompactionReport)}
+    window = _ccompact.WindowResult.__match_args__  # type: ignore[attr-defined]
+    group = _ccompact.GroupResult.__match_args__  # type: ignore[attr-defined]
+    assert window[0] == "batches" and set(window[1:]) <= report
+    assert group[0] == "events" and set(group[1:]) <= report
+    assert set(group[1:]) <= set(window[1:])
+
+
+def test_each_count_lands_in_its_own_field() -> None:
+    """A window whose counts all differ: a swap of two would show."""
+
+    def store(h: int, parent: int | None, medium: str = "GPU") -> BlockStored:
+        return BlockStored([h], parent, [h] * BLOCK, BLOCK, None, medium, None)
+
+    events: list[Any] = [store(1, None), store(2, 1), BlockRemoved([2], "GPU"), AllBlocksCleared()]
+    events += [store(10 + i, 9 + i if i else None) for i in range(6)]  # a chain
+    events += [BlockRemoved([20], "GPU"), store(20, None), BlockRemoved([20], "GPU")]
+    events += [BlockRemoved([30 + i], "GPU") for i in range(7)]
+    batches = [KVEventBatch(ts=float(i), events=[e]) for i, e in enumerate(events)]
+    batches[-1].events.append(store(40, None, "CPU"))  # (events_in > batches_in)
+    assert compactor._accelerated_window(list(batches), False) is not None
+    report = compactor.compact(list(batches))[1]
+    assert_window_same(batches, False)  # the same report as the pure-Python rules'
+    counts = [getattr(report, f) for f in ("events_in", "events_out", "folded", "merged")]
+    counts += [report.cancelled, report.superseded, report.batches_in]
+    assert 0 not in counts and len(set(counts)) == len(counts), report
+
+
+def test_the_counts_are_picked_by_name() -> None:
+    """Whatever order the C's fields come in, each count fills the field of its name."""
+    names = ("merged", "batches", "superseded", "folded", "batches_out", "events_out")
+    names += ("cancelled", "batches_in", "events_in")
+    result = tuple(range(len(names)))  # each field holds its own index
+    report = compactor.CompactionReport(*compactor._counts_picker(names)(result))
+    for i, name in enumerate(names):
+        if name != "batches":
+            assert getattr(report, name) == i, name
+    assert report.moved == 0
+    with pytest.raises(RuntimeError):
+        compactor._counts_picker(("batches", "batches_in", "moved"))  # not the first fields

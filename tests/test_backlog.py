@@ -11,9 +11,14 @@ from coalesce._backlog import LOSS, Backlog, is_loss
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_seeded_stress_keeps_invariants_and_order(seed):
+@pytest.mark.parametrize("record", [0, 30])
+def test_seeded_stress_keeps_invariants_and_order(seed, record):
+    """``record``: refused batches queued in their place for the recorder (at most 30
+    events of them waiting): every batch offered comes out once, in publish order."""
     rng = random.Random(seed)
-    b = Backlog(max_batches=rng.randint(1, 20), max_events=rng.randint(5, 200))
+    b = Backlog(
+        max_batches=rng.randint(1, 20), max_events=rng.randint(5, 200), record_events=record
+    )
     offered = accepted = 0
     seen: list[object] = []  # what came out, in order, markers included
     for _ in range(2000):
@@ -39,8 +44,12 @@ def test_seeded_stress_keeps_invariants_and_order(seed):
             b.drain()
         b.check()
     assert b.batches_in == accepted and b.batches_in + b.batches_dropped == offered
-    ts = [x.ts for x in seen if not is_loss(x)]
+    out = [x for x in seen if not is_loss(x)]
+    if record:  # the refused ones too, where they were refused
+        out = [y for x in seen for y in ((x.refused or []) if is_loss(x) else [x])]
+    ts = [x.ts for x in out]
     assert ts == sorted(ts), "batches come out in publish order"
+    assert b.refused_out <= b.refused_in <= b.refused_out + record
 
 
 def test_a_loss_is_marked_exactly_where_it_happened():
@@ -51,6 +60,19 @@ def test_a_loss_is_marked_exactly_where_it_happened():
     assert b.take_one() == (first, 0)
     assert b.offer(third, 0)
     assert b.take_one() is LOSS and b.take_one() == (third, 0)
+    b.check()
+
+
+def test_with_a_recorder_each_refused_batch_takes_its_place_and_a_run_is_one_loss():
+    b = Backlog(max_batches=1, max_events=100, record_events=5)
+    first, *refused, last = (KVEventBatch(float(i), [None] * 2) for i in range(5))
+    assert b.offer(first, 2)
+    assert [b.offer(r, 2) for r in refused] == [False] * 3  # the third passes the bound
+    assert b.take_one() == (first, 2)
+    loss = b.take_one()
+    assert is_loss(loss) and loss.refused == refused[:2] and loss.overflow
+    assert (b.refused_in, b.refused_out) == (4, 4)
+    assert b.offer(last, 2) and b.take_one() == (last, 2)
     b.check()
 
 

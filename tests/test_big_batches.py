@@ -58,8 +58,9 @@ def run_at_the_edge(
     """:func:`run_held` on two big batches and four small
     ones, the budget set so that once the first is taken, just more
     (``near_budget``) or just less than ``WHOLE_FROM`` of it is pending."""
-    from coalesce._policy import WHOLE_FROM
+    from coalesce._policy import DEFAULT_POLICY
 
+    WHOLE_FROM = DEFAULT_POLICY.whole_from
     batches = [chain(1000, 600), chain(5000, 600)] + [offload_batch(i) for i in range(4)]
     behind = sum(len(b.events) for b in batches[1:])  # pending once the first is taken
     budget = int(behind / WHOLE_FROM) + (-1 if near_budget else 1)
@@ -90,17 +91,17 @@ def test_a_sender_near_its_budget_sends_a_big_batch_whole(pubs, make_sub, near_b
 def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
     """The recorder's feed is given what the budget refused, at its loss marker,
     between what was sent before it and after it, and ends holding all three."""
-    import coalesce._snapshot as snapshot
+    from coalesce._feed import Feed
 
     seen: list[int] = []
-    real = snapshot.SnapshotService.record
+    real = Feed.record
 
     def spy(self: Any, batches: Any, compacted: bool = False) -> None:
         batches = list(batches)
         seen.extend(len(b.events) for b in batches)
         real(self, batches, compacted)
 
-    monkeypatch.setattr(snapshot.SnapshotService, "record", spy)
+    monkeypatch.setattr(Feed, "record", spy)
     first, refused, after = chain(1000, 60), chain(2000, 640), chain(5000, 200)
     p = pubs(endpoint=inproc("pub"), max_pending_events=1000, snapshot_endpoint=inproc("snap"))
     with held(p):
@@ -116,7 +117,9 @@ def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
 
 
 def test_sends_whole_past_its_share_of_the_budget_growing_or_not():
-    from coalesce._policy import PRESSURE_FROM, WHOLE_FROM, sends_whole
+    from coalesce._policy import DEFAULT_POLICY, sends_whole
+
+    PRESSURE_FROM, WHOLE_FROM = DEFAULT_POLICY.pressure_from, DEFAULT_POLICY.whole_from
 
     budget = 1000
     floor = int(WHOLE_FROM * budget)

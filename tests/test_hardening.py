@@ -421,7 +421,7 @@ def test_the_connection_cap_frees_up_when_clients_leave():
             d.setsockopt(zmq.LINGER, 0)
             d.connect(f"tcp://127.0.0.1:{port}")
             crowd.append(d)
-        replay = pub._sender.replay
+        replay = pub._sender.services.replay
         assert replay is not None
         wait_for(lambda: replay.clients == 10, what="the monitor to count the crowd")
         for d in crowd:

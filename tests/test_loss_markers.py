@@ -194,9 +194,10 @@ def test_an_in_band_resync_leaves_llmd_with_the_whole_truth(loss_marker):
 
 
 def test_a_resync_is_the_recorded_state_between_the_marker_and_the_next_batch(make_sub):
-    """On the wire: the batches before the loss, the marker, the state (every store
-    of it; ancestors it no longer holds stored, then removed), then the batch
-    accepted after the loss; nothing else."""
+    """On the wire, once ``publish()`` refused a batch: the backlog collapses into the
+    recorder (the 3 batches accepted are recorded, not sent), then the marker, the
+    state of every batch published (every store of it; ancestors it no longer holds
+    stored, then removed), then the batch accepted after the loss; nothing else."""
     from tests.conftest import decode, inproc
 
     ep = inproc("pub")
@@ -219,39 +220,162 @@ def test_a_resync_is_the_recorded_state_between_the_marker_and_the_next_batch(ma
         pub.shutdown()
     batches = [decode(m[2]) for m in msgs]
     assert [m[1] for m in msgs] == list(range(len(msgs)))
-    assert batches[3].events == [AllBlocksCleared()], "the marker follows the 3 accepted"
-    resync = [e for b in batches[4:-1] for e in b.events]
-    assert sum(len(b.events) for b in batches[4:-1]) == st.resync_events
+    assert batches[0].events == [AllBlocksCleared()], "the marker, where the first was"
+    resync = [e for b in batches[1:-1] for e in b.events]
+    assert len(resync) == st.resync_events
     assert batches[-1].events == after.events, "the next batch comes after the state"
     state = SubscriberModel("llmd")
     state.apply_batches([KVEventBatch(0.0, resync)])
     assert state.held() == truth(published), "the state of every published batch"
-    assert st.resyncs == 1
+    assert st.resyncs == st.loss_markers == 1
+    assert (st.batches_collapsed, st.batches_dropped) == (3, 17)
 
 
-def test_no_resync_when_the_state_is_large_against_the_budget(make_sub):
-    """A resync sends at most a quarter of the event budget: past it, the marker alone."""
-    from tests.conftest import inproc
+def overloaded(pub: CoalescingPublisher, rounds: int, burst: int) -> list[KVEventBatch]:
+    """``rounds`` bursts of ``burst`` steps each published while the sender is held
+    (most refused), each released before the next: an overload that persists and
+    repeats.  Returns every batch published, refused or not."""
+    published: list[KVEventBatch] = []
+    for r in range(rounds):
+        with held(pub):
+            for i in range(r * burst, (r + 1) * burst):
+                published.append(step(i))
+                pub.publish(published[-1])
+        assert pub.flush(10.0)
+    return published
+
+
+def test_a_backlog_past_its_budget_collapses_into_state_however_often(make_sub):
+    """The state is three times the event budget, and the overload comes back five
+    times: each time the backlog collapses into the recorder and a resync follows
+    the marker; the recorder stays exact (no refused batch waits past its bound),
+    and a consumer ends with the engine's state."""
+    from tests.conftest import decode, inproc
 
     ep = inproc("pub")
-    make_sub(ep)
+    sub = make_sub(ep)
     pub = CoalescingPublisher(
         endpoint=ep,
         max_queue_size=3,
         stall_timeout=0,
-        max_pending_events=40,  # a quarter: 10 blocks; the state below holds 12
+        max_pending_events=4,  # the state below holds 12 blocks
         loss_marker="resync",
     )
     try:
-        for i in range(30):
-            assert pub.publish(step(i)) is PublishOutcome.QUEUED
-            assert pub.flush(10.0)
-        with held(pub):
-            assert PublishOutcome.DROPPED in [pub.publish(step(i)) for i in range(30, 40)]
-        assert pub.flush(10.0)
-        assert pub.publish(step(40)) is PublishOutcome.QUEUED
-        assert pub.flush(10.0)
+        published = overloaded(pub, rounds=5, burst=40)
         st = pub.stats()
+        msgs = sub.recv_until_seq(st.messages_sent - 1)
     finally:
         pub.shutdown()
-    assert st.loss_markers == 1 and st.resyncs == 0 and st.resync_events == 0
+    consumer = SubscriberModel("llmd")
+    consumer.apply_batches([decode(m[2]) for m in msgs])
+    assert consumer.held() == truth(published)
+    assert st.batches_dropped > 100 and st.loss_markers >= 5 and st.resyncs >= 5
+    assert st.snapshot_exact and st.snapshot_blocks == KEEP
+
+
+def test_the_seed_workload_under_a_small_budget_ends_exact_for_every_consumer():
+    """The overload a new user forces: an event budget of 3,000 and a seed-like engine
+    whose sender is held for 150 steps out of every 200 (each hold refuses most of
+    what comes), four times, the engine never waiting for it.  llm-d's rules (with
+    replay), vLLM's decoder on a refcount model, and ``coalesce.subscriber`` each end
+    with the engine's state."""
+    from coalesce.subscriber import Subscriber
+    from coalesce_tools.workload import Engine, WorkloadConfig
+    from tests.conftest import Sub, decode
+
+    engine = Engine(
+        WorkloadConfig(ranks=1, steps=800, burst_every=200, burst_length=20, burst_requests=4)
+    )
+    port, rport = free_port(), free_port()
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{rport}",
+        max_pending_events=3000,
+        stall_timeout=0,
+        loss_marker="resync",
+    )
+    ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
+    llmd = LlmdRulesConsumer(ep, rep, clock=FrozenClock())
+    ours = Subscriber(ep, rep)
+    raw = Sub(ep, replay=rep)
+    try:
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                pub.publish(KVEventBatch(ts=0.0, events=engine.step(), data_parallel_rank=0))
+                llmd.poll(0)
+                ours.poll(0)
+
+        steps(1)  # both consumers join: llm-d's proactive replay finds this batch
+        assert pub.flush(10.0)
+        wait_for(
+            lambda: llmd.poll(0.01) >= 0 and ours.poll(0.01) >= 0 and llmd.last_seq == 0,
+            what="llm-d's consumer to join",
+        )
+        for _ in range(4):
+            with held(pub):
+                steps(150)
+            steps(50)
+        assert pub.flush(30.0)
+        st = pub.stats()
+        last = st.messages_sent - 1
+
+        def caught_up() -> bool:
+            llmd.poll(0.01)
+            ours.poll(0.01)
+            return llmd.last_seq == last and ours.sources[0].last_seq == last
+
+        wait_for(caught_up, timeout=30, what="the consumers to reach the last message")
+        decoded = [decode(m[2]) for m in raw.replay(0)]
+    finally:
+        llmd.close()
+        ours.close()
+        raw.close()
+        pub.shutdown()
+    want = engine.truth()
+    assert st.batches_dropped > 100 and st.resyncs == st.loss_markers >= 1 and st.snapshot_exact
+    assert len(decoded) == st.messages_sent, "every message is in the replay buffer"
+    assert SubscriberModel("refcount").apply_batches(decoded).held() == want
+    assert llmd.held() == want
+    assert llmd.incomplete_replays == 0 and llmd.resets == 0
+    assert ours.sources[0].index.held() == want and not ours.sources[0].partial
+
+
+@pytest.mark.parametrize("identity", ["seq", "batch"])
+def test_where_the_publisher_id_goes_decides_whether_llmd_main_reads_the_stream(identity):
+    """Snapshots on.  ``seq`` (the default): the id after the seq, which llm-d-router
+    main reads from the first 8 bytes, so it applies every batch.  ``batch`` (PR
+    #57789's newest revision): a 4th batch element, and llm-d-router main's decoder
+    (3 elements exactly) drops every batch: the pod's index stays empty."""
+    port = free_port()
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        snapshot_endpoint=f"tcp://*:{free_port()}",
+        snapshot_identity=identity,
+    )
+    consumer = LlmdRulesConsumer(f"tcp://127.0.0.1:{port}", None, clock=FrozenClock())
+    try:
+        wait_for(
+            lambda: (
+                pub.publish(step(0)) is PublishOutcome.QUEUED
+                and pub.flush(5.0)
+                and consumer.poll(0.01) > 0
+            ),
+            what="the consumer to join",
+        )
+        for i in range(1, 20):
+            pub.publish(step(i))
+        assert pub.flush(5.0)
+        last = pub.stats().messages_sent - 1
+        wait_for(
+            lambda: consumer.poll(0.01) >= 0 and (consumer.last_live_seq or 0) >= last,
+            what="the last message",
+        )
+    finally:
+        consumer.close()
+        pub.shutdown()
+    if identity == "seq":
+        assert consumer.skipped == 0 and consumer.applied > 1 and consumer.held()
+    else:
+        assert consumer.applied == 0 and consumer.skipped > 1 and not consumer.held()

@@ -100,7 +100,7 @@ def test_the_replay_socket_is_looked_at_once_per_service_poll_and_still_answers(
     pubs, make_sub, monkeypatch
 ):
     """A look at a ROUTER is a libzmq system call: not at every turn of the loop."""
-    from coalesce import _replay, _sender
+    from coalesce import _replay, _services
 
     looks = 0
     step = _replay.ReplayService.step
@@ -111,7 +111,7 @@ def test_the_replay_socket_is_looked_at_once_per_service_poll_and_still_answers(
         return step(self, budget)
 
     monkeypatch.setattr(_replay.ReplayService, "step", counted)
-    monkeypatch.setattr(_sender, "SERVICE_POLL", 3600.0)
+    monkeypatch.setattr(_services, "SERVICE_POLL", 3600.0)
     ep = inproc("pub")
     sub = make_sub(ep, replay=inproc("replay"))
     p = pubs(endpoint=ep, replay_endpoint=sub.replay_endpoint, compaction=False)
@@ -120,8 +120,8 @@ def test_the_replay_socket_is_looked_at_once_per_service_poll_and_still_answers(
         assert p.flush(10)
     sub.recv_until_seq(199)
     assert looks == 1  # the first turn; the next look is an hour away
-    monkeypatch.setattr(_sender, "SERVICE_POLL", 0.001)
-    p._sender._poll_at = 0.0  # (the hour is over)
+    monkeypatch.setattr(_services, "SERVICE_POLL", 0.001)
+    p._sender.services.poll_now()  # (the hour is over)
     assert [m[1] for m in sub.replay(198)] == [198, 199]
     assert looks > 1
 
@@ -303,8 +303,13 @@ def test_event_budget_counts_events(pubs):
 
 
 def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losing_ground():
-    from coalesce._policy import PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY, pressed, yield_slice
+    from coalesce._policy import DEFAULT_POLICY, pressed, yield_slice
 
+    PRESSURE_FROM, PRESSURE_SLICE, YIELD_EVERY = (
+        DEFAULT_POLICY.pressure_from,
+        DEFAULT_POLICY.pressure_slice,
+        DEFAULT_POLICY.yield_every,
+    )
     budget = 1000
     floor = int(PRESSURE_FROM * budget)
     assert 0 < floor < budget
@@ -320,7 +325,9 @@ def test_the_sender_takes_a_longer_gil_slice_only_near_the_event_budget_and_losi
 
 
 def test_a_rules_window_holds_what_the_rest_of_the_slice_does():
-    from coalesce._policy import WIDEN_UP_TO, rules_window
+    from coalesce._policy import DEFAULT_POLICY, rules_window
+
+    WIDEN_UP_TO = DEFAULT_POLICY.widen_up_to
 
     assert rules_window(512, None, 1.0) == 512  # the rules not timed yet
     assert rules_window(512, 0.0, 1.0) == 512
@@ -366,7 +373,7 @@ def test_rules_windows_widen_to_their_bound_and_keep_the_state_exact(pubs, make_
     batches = [offload_batch(i) for i in range(600)]
     st, msgs = sent_while_held(p, sub, batches)
     rules = [n for n, fold_only in taken if not fold_only]
-    bound = _policy.WIDEN_UP_TO * 16  # (batches of at most 3 events: whole batches)
+    bound = _policy.DEFAULT_POLICY.widen_up_to * 16  # (batches of at most 3 events: whole batches)
     assert rules[0] <= 16 and bound - 3 < max(rules) <= bound
     assert st.batches_dropped == 0 and st.seq_gaps == 0
     assert_every_model_agrees(batches, [decode(m[2]) for m in msgs])
@@ -374,7 +381,9 @@ def test_rules_windows_widen_to_their_bound_and_keep_the_state_exact(pubs, make_
 
 def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground():
     """The losing-ground decision, on the pure policy with a fake clock."""
-    from coalesce._policy import PRESSURE_SLICE, YIELD_EVERY, GilSlice
+    from coalesce._policy import DEFAULT_POLICY, GilSlice
+
+    PRESSURE_SLICE, YIELD_EVERY = DEFAULT_POLICY.pressure_slice, DEFAULT_POLICY.yield_every
 
     gil = GilSlice(budget=100)
     held_for = (YIELD_EVERY + PRESSURE_SLICE) / 2  # past the short turn, within the long
@@ -401,10 +410,11 @@ def test_the_sender_hands_the_gil_over_through_its_policy(pubs):
     with held(pub):
         for _ in range(5):
             assert pub.publish(batch(*map(store, range(10)))) is PublishOutcome.QUEUED
-        sender._gil.began = 0.0  # the turn began long ago
-        sender._maybe_yield()
-        assert sender._gil.began > 0.0 and sender._gil.pending_at_start == 50
-        assert sender._gil.losing
+        gil = sender.pacing.gil
+        gil.began = 0.0  # the turn began long ago
+        sender.pacing.maybe_yield()
+        assert gil.began > 0.0 and gil.pending_at_start == 50
+        assert gil.losing
 
 
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
@@ -503,19 +513,6 @@ def test_bad_endpoints_fail_at_construction():
             CoalescingPublisher(endpoint=f"tcp://*:{port}")
     finally:
         first.shutdown()
-
-
-def test_knobs_that_went_are_ignored_with_a_warning_that_says_why(monkeypatch, caplog):
-    monkeypatch.setenv("COALESCE_COALESCER", "process")
-    with caplog.at_level("WARNING", logger="coalesce"):
-        p = CoalescingPublisher(endpoint=inproc("pub"), payload_rules=True)
-    try:
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert any("payload_rules is no longer a knob" in m for m in warned)
-        assert any("COALESCE_COALESCER is no longer a knob" in m for m in warned)
-        assert "ignoring keywords" not in caplog.text  # said once, as a warning
-    finally:
-        p.shutdown()
 
 
 def test_settings_come_from_keywords_then_environment(monkeypatch, caplog):

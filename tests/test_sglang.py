@@ -222,7 +222,6 @@ def test_bad_batches_raise_and_queue_nothing(sgl_pubs) -> None:
     "knob",
     [
         {"snapshot_endpoint": "tcp://127.0.0.1:0"},
-        {"loss_marker": "resync"},
         {"move_events": True},
     ],
 )

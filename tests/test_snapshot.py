@@ -97,34 +97,46 @@ def test_off_by_default_the_wire_is_vllms(make_sub):
         assert p.get_publisher_config().snapshot_endpoint is None
 
 
-def test_live_seq_frames_carry_the_publisher_id_and_an_idle_publisher_beats(snap_pub, make_sub):
-    """PR #57789: the seq frame is the 8-byte seq then the 16-byte id; payloads unchanged."""
+def test_live_messages_carry_the_publisher_id_in_a_4th_element_and_an_idle_publisher_beats(
+    snap_pub, make_sub
+):
+    """PR #57789's newest revision (vllm-project/vllm 2c481a4b, ``IdentifiedKVEventBatch``):
+    8-byte seq frames, the 16-byte id as a 4th batch element, vLLM's 3 elements before
+    it byte for byte; vLLM's own types decode it (the extra element ignored)."""
     ep = inproc("pub")
     sub = make_sub(ep)
-    p, _, snap = snap_pub(ep)
+    p, _, snap = snap_pub(ep, snapshot_identity="batch")
     assert p.publisher_id is not None and len(p.publisher_id) == 16
     b = offload(5)
     p.publish(b)
     (_, first, payload) = sub.recv()
-    assert payload == msgspec.msgpack.encode(b), "the payload is vLLM's, byte for byte"
-    assert sub.seq_frames[0] == first.to_bytes(8, "big") + p.publisher_id
-    assert publisher_id(sub.seq_frames[0]) == p.publisher_id
+    plain = msgspec.msgpack.encode(b)
+    assert payload == b"\x94" + plain[1:] + b"\xc4\x10" + p.publisher_id
+    assert msgspec.msgpack.decode(payload)[3] == p.publisher_id
+    assert msgspec.msgpack.decode(payload, type=KVEventBatch) == b
+    assert sub.seq_frames[0] == first.to_bytes(8, "big")
+    assert publisher_id(sub.seq_frames[0], payload) == p.publisher_id
     # nothing published: within a few seconds an empty batch takes the next seq
     (_, seq, payload) = sub.recv(timeout=5.0)
-    assert seq == first + 1 and len(sub.seq_frames[1]) == 24
-    assert msgspec.msgpack.decode(payload)[1] == []
+    assert seq == first + 1 and len(sub.seq_frames[1]) == 8
+    assert msgspec.msgpack.decode(payload)[1:] == [[], 0, p.publisher_id]
     config = p.get_publisher_config()
     assert config.snapshot_endpoint == snap and config.snapshot_max_blocks == 1_000_000
 
 
-def test_replayed_messages_have_8_byte_seq_frames(make_sub):
-    """As the PR's replay: the id is on live messages only."""
+def test_with_the_id_in_the_seq_frame_the_payload_is_vllms_and_replay_has_8_bytes(make_sub):
+    """The default, ``snapshot_identity="seq"``, the PR's earlier revisions (vMaroon/vllm
+    08ee3e5): the seq frame is the 8-byte seq then the 16-byte id, the payload vLLM's
+    byte for byte; as the PR's replay there, the id is on live messages only."""
     ep, replay, snap = inproc("pub"), inproc("replay"), inproc("snap")
     sub = make_sub(ep, replay=replay)
     with CoalescingPublisher(endpoint=ep, replay_endpoint=replay, snapshot_endpoint=snap) as p:
-        p.publish(offload(1))
+        b = offload(1)
+        p.publish(b)
         (_, seq, payload) = sub.recv()
-        assert len(sub.seq_frames[0]) == 24
+        assert payload == msgspec.msgpack.encode(b), "the payload is vLLM's, byte for byte"
+        assert sub.seq_frames[0] == seq.to_bytes(8, "big") + p.publisher_id
+        assert publisher_id(sub.seq_frames[0], payload) == p.publisher_id
         assert sub.replay(seq)[0] == (b"", seq, payload)
 
 
@@ -150,9 +162,12 @@ def test_a_snapshot_is_the_state_of_every_batch_sent(snap_pub, req):
 
 @pytest.fixture
 def service():
-    """A snapshot service on an inproc ROUTER, and a DEALER connected to it."""
+    """A recorder's feed and a snapshot server on an inproc ROUTER, and a DEALER
+    connected to it."""
+    from coalesce._feed import Feed
     from coalesce._recorder import Recorder
-    from coalesce._snapshot import SnapshotService
+    from coalesce._snapshot import SnapshotServer
+    from coalesce.testing import policy
 
     ctx, ep = zmq.Context.instance(), inproc("snap")
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
@@ -160,36 +175,29 @@ def service():
     dealer.connect(ep)
     made: list[Any] = []
 
-    def make(max_deferred_events: int = 10_000) -> tuple[Any, Any]:
-        svc = SnapshotService(
-            router,
-            Recorder(10_000),
-            b"p",
-            0,
-            max_response_bytes=1 << 30,
-            max_deferred_events=max_deferred_events,
-        )
-        made.append(svc)
-        return svc, dealer
+    def make(max_deferred_events: int = 10_000, **tuning: Any) -> tuple[Any, Any, Any]:
+        with policy(**tuning) as tuned:
+            feed = Feed(Recorder(10_000), max_deferred_events=max_deferred_events, policy=tuned)
+        server = SnapshotServer(router, feed, b"p", 0, max_response_bytes=1 << 30)
+        made.append(server)
+        return feed, server, dealer
 
     yield make
-    for svc in made:
-        svc.close()
+    for server in made:
+        server.close()
     dealer.close(linger=0)
 
 
 def test_a_reply_covers_what_the_feed_had_gathered(service):
     """Batches the feed gathers (not yet a window) are recorded before a reply is
     built: the reply for a seq covers every batch given before it."""
-    from coalesce.testing import policy
 
-    svc, dealer = service()
+    feed, server, dealer = service(RECORD_WINDOW=10**6)
     batches = [offload(i) for i in range(6)]
-    with policy(RECORD_WINDOW=10**6):
-        svc.record(batches)
-        assert svc.recorder.held == 0, "gathered: a window is not full yet"
-        dealer.send(b"snapshot")
-        wait_for(lambda: svc.step(lambda: 41) and not svc.busy, what="the reply")
+    feed.record(batches)
+    assert feed.recorder.held == 0, "gathered: a window is not full yet"
+    dealer.send(b"snapshot")
+    wait_for(lambda: server.step(lambda: 41) and not server.busy, what="the reply")
     assert dealer.poll(10_000), "no snapshot reply"
     seq, model = reply_state(dealer.recv_multipart())
     assert seq == 41 and model.state() == truth(batches)
@@ -198,16 +206,16 @@ def test_a_reply_covers_what_the_feed_had_gathered(service):
 def test_batches_after_an_abandoned_reply_are_recorded_in_order(service):
     """The deferred list outgrows its bound in the middle of a list of batches: the
     reply is abandoned, and the rest of the list is recorded, in order."""
-    svc, dealer = service(max_deferred_events=2)
+    feed, server, dealer = service(max_deferred_events=2)
     before = [offload(i) for i in range(4)]
-    svc.record(before)
+    feed.record(before)
     dealer.send(b"snapshot")
-    wait_for(lambda: svc.step(lambda: 3) and svc.busy, what="a reply to start")
+    wait_for(lambda: server.step(lambda: 3) and server.busy, what="a reply to start")
     # the first is past the bound; the last, alone, is not
     after = [offload(i) for i in range(4, 8)] + [batch(store([99], None))]
-    svc.record(after)
-    svc.settle()
-    assert svc.recorder.state() == truth(before + after)
+    feed.record(after)
+    feed.settle()
+    assert feed.recorder.state() == truth(before + after)
     assert dealer.poll(10_000) and dealer.recv_multipart()[0] == (-2).to_bytes(
         8, "big", signed=True
     )
@@ -490,18 +498,23 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             assert src.index.state() == truth(published)
 
 
-@pytest.mark.parametrize("snapshots", [True, False])
+@pytest.mark.parametrize("snapshots", [False, "batch", "seq"])
 def test_turning_snapshots_on_warns_once_of_the_consumers_that_cannot_read_them(caplog, snapshots):
     import logging
 
     with caplog.at_level(logging.WARNING, logger="coalesce"):
         p = CoalescingPublisher(
-            endpoint=inproc("pub"), snapshot_endpoint=inproc("snap") if snapshots else None
+            endpoint=inproc("pub"),
+            snapshot_endpoint=inproc("snap") if snapshots else None,
+            snapshot_identity=snapshots or "seq",
         )
         p.shutdown()
     named = [r for r in caplog.records if "Dynamo" in r.getMessage()]
     assert len(named) == (1 if snapshots else 0)
     if snapshots:
         said = named[0].getMessage()
-        assert named[0].levelno == logging.WARNING and "24 bytes" in said
-        assert "example subscriber" in said
+        assert named[0].levelno == logging.WARNING
+        if snapshots == "seq":
+            assert "24 bytes" in said and "example subscriber" in said
+        else:
+            assert "4 elements" in said and "llm-d-router without its PR #2946" in said

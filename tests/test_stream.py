@@ -9,9 +9,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from coalesce._replay import ReplayBuffer
-from coalesce._stream import Stream
+from coalesce._stream import ReplayBuffer, Stream
 from coalesce._wire import Encoder
+from coalesce.stats import StreamStats
 
 RANK = 3
 
@@ -47,13 +47,9 @@ def test_a_loss_marker_takes_the_losses_seq_and_the_sequence_has_no_hole():
     assert [seq for seq, _ in sent] == [0, 1, 2]
     assert events_of(sent[1][1]) == [{"type": "AllBlocksCleared"}]
     assert sent[2][1] == b"b"
-    assert stream.published() == {
-        "messages_sent": 3,
-        "events_sent": 7,
-        "bytes_sent": 2 + len(sent[1][1]),
-        "seq_gaps": 0,
-        "loss_markers": 1,
-    }
+    assert stream.stats() == StreamStats(
+        messages_sent=3, events_sent=7, bytes_sent=2 + len(sent[1][1]), loss_markers=1
+    )
     buf = stream._buffer
     assert [buf[i] for i in range(len(buf))] == sent, "the marker is kept for replay too"
 

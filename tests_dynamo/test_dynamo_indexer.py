@@ -90,6 +90,20 @@ def _store(h: int) -> KVEventBatch:
     return KVEventBatch(0.0, [BlockStored([h], None, [h] * 4, 4, None, "GPU", None)])
 
 
+def _join(pub: CoalescingPublisher, http: int) -> None:
+    """Dynamo connects to the publisher: wait until it reads, then take the probe back."""
+    wait_for(
+        lambda: (
+            pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+            and pub.flush(5.0)
+            and PROBE in (_dump(http) or set())
+        ),
+        timeout=30,
+        what="Dynamo to read the stream",
+    )
+    pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+
+
 def _truth(batches: list[KVEventBatch]) -> set[int]:
     model = SubscriberModel("dynamo")  # its parent rule: the parent held in the same medium
     for b in batches:
@@ -113,17 +127,7 @@ def run(
     )
     published: list[KVEventBatch] = []
     try:
-        # Dynamo connects to the publisher: wait until it reads, then take the probe back
-        wait_for(
-            lambda: (
-                pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
-                and pub.flush(5.0)
-                and PROBE in (_dump(http) or set())
-            ),
-            timeout=30,
-            what="Dynamo to read the stream",
-        )
-        pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+        _join(pub, http)
         i = 0
         for phase in ("before", "loss", "after"):
             n = {"before": 31, "loss": 23, "after": after}[phase]
@@ -177,25 +181,73 @@ def test_with_an_in_band_resync_dynamo_ends_as_with_the_plain_stream(indexer):
     assert cleared < plain
 
 
-def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path):
-    """PR #57789's 24-byte seq frames (snapshots on): Dynamo 1.6.1 says so in its
-    log and indexes nothing; the publisher's start-up WARNING names it."""
+@pytest.mark.parametrize(
+    ("identity", "said"),
+    [
+        ("seq", b"Invalid sequence number length: 24"),
+        ("batch", b"array had incorrect length, expected 3"),
+    ],
+)
+def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path, identity, said):
+    """Snapshots on, PR #57789's id in a 24-byte seq frame or as a 4th batch element:
+    Dynamo 1.6.1 says so in its log and indexes nothing; the publisher's start-up
+    WARNING names it."""
     log_path = tmp_path / "indexer.log"
     with open(log_path, "wb") as log, _indexer(log) as (port, http):
         pub = CoalescingPublisher(
-            endpoint=f"tcp://*:{port}", snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}"
+            endpoint=f"tcp://*:{port}",
+            snapshot_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            snapshot_identity=identity,
         )
         try:
             wait_for(
                 lambda: (
                     pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
                     and pub.flush(5.0)
-                    and b"Invalid sequence number length: 24" in log_path.read_bytes()
+                    and said in log_path.read_bytes()
                 ),
                 timeout=30,
-                what="Dynamo to reject a 24-byte seq frame",
+                what="Dynamo to reject the message",
             )
             assert PROBE not in (_dump(http) or set())
             assert _dump(http) == set()
         finally:
             pub.shutdown()
+
+
+def _overloaded_into_dynamo(indexer: tuple[int, int], lossy: bool) -> tuple[set[int], Any]:
+    """Five bursts of 40 steps with ``loss_marker=resync`` and an event budget a third
+    of the state, each past the budget (or, not ``lossy``, each sent whole): what
+    Dynamo holds, and the stats."""
+    from tests.test_loss_markers import overloaded
+
+    port, http = indexer
+    pub = CoalescingPublisher(
+        endpoint=f"tcp://*:{port}",
+        max_queue_size=3 if lossy else 100_000,
+        stall_timeout=0,
+        max_pending_events=4 if lossy else 100_000,
+        loss_marker="resync",
+    )
+    try:
+        _join(pub, http)
+        overloaded(pub, rounds=5, burst=40)
+        pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
+        assert pub.flush(10.0)
+        wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
+        return (_dump(http) or set()) - {SENTINEL}, pub.stats()
+    finally:
+        pub.shutdown()
+
+
+def test_under_an_overload_that_comes_back_dynamo_ends_as_with_the_plain_stream(indexer):
+    """Each burst collapses the backlog into the recorder, then the marker and the
+    state: Dynamo, which has no replay, ends holding what it holds from the same
+    batches all sent (a second indexer).  (Not the refcount model's set: Dynamo's
+    tree drops a block's descendants with it, on the plain stream too.)"""
+    got, st = _overloaded_into_dynamo(indexer, lossy=True)
+    assert st.batches_dropped > 100 and st.resyncs == st.loss_markers >= 5
+    with _indexer() as other:
+        plain, st_plain = _overloaded_into_dynamo(other, lossy=False)
+    assert st_plain.batches_dropped == 0
+    assert got == plain

@@ -278,6 +278,38 @@ def test_a_loss_marker_decodes_with_sglangs_types_and_leaves_no_hole(
     assert sum(b.events == [sk.AllBlocksCleared()] for b in decoded) == st.loss_markers == 1
 
 
+def test_a_resync_decodes_with_sglangs_types_and_keeps_cache_salt(
+    enabled, made, make_sub, monkeypatch
+) -> None:
+    """``loss_marker=resync`` for SGLang: past the budget the backlog collapses into the
+    recorder, then the marker and the state, decoded with SGLang's own types: every
+    model ends with the state of every batch published, and each store of the
+    resync is one SGLang's publisher carried, ``cache_salt`` included."""
+    monkeypatch.setenv("COALESCE_STALL_TIMEOUT", "0")
+    monkeypatch.setenv("COALESCE_LOSS_MARKER", "resync")
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    pub = create(made, endpoint=ep, max_queue_size=2)
+    batches = [
+        sbatch(sstore(i, i - 1 if i % 4 else None, medium="CPU_PINNED", cache_salt=f"t{i % 3}"))
+        for i in range(12)
+    ] + [sbatch(sk.BlockRemoved(block_hashes=[1, 2], medium="CPU_PINNED"))]
+    with held(pub):
+        outcomes = [pub.publish(b) for b in batches]
+    assert outcomes.count(PublishOutcome.DROPPED) == len(batches) - 2
+    assert pub.flush(10)
+    st = pub.stats()
+    msgs = sub.recv_until_seq(st.messages_sent - 1)
+    decoded = [DEC.decode(m[2]) for m in msgs]
+    assert decoded[0].events == [sk.AllBlocksCleared()] and st.resyncs == 1
+    stores = [e for b in batches for e in b.events if isinstance(e, sk.BlockStored)]
+    for ev in (e for b in decoded for e in b.events if isinstance(e, sk.BlockStored)):
+        assert ev in stores, "a resync store is one the publisher was given, whole"
+    for mode in MODES:
+        want = SubscriberModel(mode).apply_batches(batches).state()
+        assert SubscriberModel(mode).apply_batches(decoded).state() == want, mode
+
+
 def test_the_seed_bug_sglang_blocks_and_coalesce_does_not(made) -> None:
     theirs = sk.ZmqEventPublisher(attn_dp_rank=0, endpoint=inproc("s"), max_queue_size=2)
     ours = SGLangPublisher(endpoint=inproc("c"), max_queue_size=2, stall_timeout=0.2)
@@ -290,7 +322,7 @@ def test_the_knobs_come_from_coalesce_variables(enabled, made, monkeypatch) -> N
     monkeypatch.setenv("COALESCE_HIGH_WATERMARK", "3")
     pub = create(made, endpoint=inproc("sgl"))
     assert pub.settings.high_watermark == 3
-    monkeypatch.setenv("COALESCE_LOSS_MARKER", "resync")
+    monkeypatch.setenv("COALESCE_MOVE_EVENTS", "1")
     with pytest.raises(ValueError, match="not available for SGLang"):
         create(made, endpoint=inproc("sgl"))
     assert os.environ["COALESCE_KV_EVENTS"] == "1"

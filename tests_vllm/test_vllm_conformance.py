@@ -390,14 +390,17 @@ def test_seed_bug_vllm_blocks_and_coalesce_does_not(made):
     assert st.batches_dropped > 0 and st.batches_in >= 10
 
 
+@pytest.mark.parametrize("identity", ["seq", "batch"])
 def test_snapshots_through_vllms_config_decode_with_vllms_types(
-    enabled, made, make_sub, monkeypatch
+    enabled, made, make_sub, monkeypatch, identity
 ):
-    """vLLM 0.33's config forbids unknown keys: the variable turns snapshots on.  Live
-    payloads (3 elements; the id is in the 24-byte seq frame) and snapshot chunks
-    decode with vLLM's own types, and the chunks' stores are ones the stream sent."""
+    """vLLM 0.33's config forbids unknown keys: the variables turn snapshots on.  Live
+    payloads (``seq``: 3 elements, the id in the 24-byte seq frame; ``batch``: the id
+    as a 4th element, which vLLM's types ignore) and snapshot chunks decode with
+    vLLM's own types, and the chunks' stores are ones the stream sent."""
     ep, snap = inproc("pub"), inproc("snap")
     monkeypatch.setenv("COALESCE_SNAPSHOT_ENDPOINT", snap)
+    monkeypatch.setenv("COALESCE_SNAPSHOT_IDENTITY", identity)
     sub = make_sub(ep)
     pub = create(made, endpoint=ep)
     assert pub.snapshot_endpoint == snap and pub.publisher_id is not None
@@ -407,8 +410,12 @@ def test_snapshots_through_vllms_config_decode_with_vllms_types(
     assert pub.flush(20)
     msgs = sub.recv_until_seq(pub.stats().messages_sent - 1)
     dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
-    assert all(len(msgspec.msgpack.decode(m[2])) == 3 for m in msgs)
-    assert all(f[8:] == pub.publisher_id and len(f) == 24 for f in sub.seq_frames)
+    if identity == "seq":
+        assert all(len(msgspec.msgpack.decode(m[2])) == 3 for m in msgs)
+        assert all(f[8:] == pub.publisher_id and len(f) == 24 for f in sub.seq_frames)
+    else:
+        assert all(msgspec.msgpack.decode(m[2])[3:] == [pub.publisher_id] for m in msgs)
+        assert all(len(f) == 8 for f in sub.seq_frames)
     config = pub.get_publisher_config()  # vLLM 0.33's KVEventsConfig has no snapshot field
     assert type(config).__name__ == "KVEventsConfig" and config.endpoint == ep
     live = [dec.decode(m[2]) for m in msgs]

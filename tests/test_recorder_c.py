@@ -1,0 +1,320 @@
+"""The recorder's C state against its oracle, the pure-Python recorder.
+
+Random streams with every kind of hash a real stream may carry (64-bit ints,
+ints outside [0, 2**64), bytes, str), several scopes (medium, group,
+locality), stores with and without tokens and parents, moves, clears and
+events of other class families are fed to both; after every batch the two
+must hold the same state (source ids renumbered in recorded order), the same
+counters, and write the same program.  Then the C state's own promises: the
+fall back to Python on a hash it does not take, memory bounded by what is
+held, a walk that sees the state change, the GIL released for big batches.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coalesce import _layout, _recorder
+from coalesce._recorder import Recorder
+from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
+
+_crecord = _recorder._accel
+pytestmark = pytest.mark.skipif(_crecord is None, reason="the C recorder is not built")
+
+
+# A second family, shaped like another library's: other field order, an extra field,
+# no locality or ownership (read as None).
+class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class OtherStored(_Event, tag="BlockStored"):
+    medium: str | None
+    block_hashes: list[Any]
+    block_size: int
+    parent_block_hash: Any
+    token_ids: list[int]
+    lora_id: int | None = None
+    lora_name: str | None = None
+    note: str | None = None
+    group_idx: int | None = None
+
+
+class OtherRemoved(_Event, tag="BlockRemoved"):
+    note: str | None
+    block_hashes: list[Any]
+    medium: str | None
+    group_idx: int | None = None
+
+
+HASHES = [0, 1, 2, 7, 2**63 + 5, 2**64 - 1, 2**64, 2**70 + 1, -3, b"\x00ab", b"cd", "s1"]
+"""u64 ints, ints the C state interns (past 2**64, negative), bytes and str."""
+hashes = st.sampled_from(HASHES)
+media = st.sampled_from(("GPU", "CPU"))
+groups = st.sampled_from((None, None, 1))
+localities = st.sampled_from((None, None, "rack1"))
+
+
+@st.composite
+def events(draw: Any) -> Any:
+    kind = draw(st.sampled_from(("store", "store", "store", "remove", "remove", "move", "clear")))
+    hs = draw(st.lists(hashes, min_size=0, max_size=4))
+    parent = draw(st.one_of(st.none(), hashes))
+    tokens = list(range(2 * len(hs))) if draw(st.booleans()) else []
+    other = draw(st.integers(0, 5)) == 0
+    if kind == "store":
+        if other:
+            return OtherStored(
+                medium=draw(media),
+                block_hashes=hs,
+                block_size=2,
+                parent_block_hash=parent,
+                token_ids=tokens,
+                group_idx=draw(groups),
+            )
+        return BlockStored(
+            block_hashes=hs,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=2,
+            lora_id=None,
+            medium=draw(media),
+            lora_name=None,
+            group_idx=draw(groups),
+            locality=draw(localities),
+        )
+    if kind == "remove":
+        if other:
+            return OtherRemoved(
+                note="x", block_hashes=hs, medium=draw(media), group_idx=draw(groups)
+            )
+        return BlockRemoved(
+            block_hashes=hs, medium=draw(media), group_idx=draw(groups), locality=draw(localities)
+        )
+    if kind == "move":
+        return BlockMoved(
+            block_hashes=hs,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=2,
+            lora_id=None,
+            from_medium="GPU",
+            to_medium="CPU",
+            lora_name=None,
+            group_idx=draw(groups),
+        )
+    return AllBlocksCleared()
+
+
+@st.composite
+def streams(draw: Any) -> list[Any]:
+    evs = draw(st.lists(events(), max_size=40))
+    out, i = [], 0
+    while i < len(evs):
+        n = draw(st.integers(1, 6))
+        out.append(KVEventBatch(ts=float(i), events=evs[i : i + n], data_parallel_rank=0))
+        i += n
+    return out
+
+
+def _program(rec: Recorder) -> list[Any]:
+    return [ev for chunk in rec.chunks() for ev in chunk]
+
+
+def _same(c: Recorder, py: Recorder, batches: list[Any] = ()) -> None:  # type: ignore[assignment]
+    assert c.export() == py.export()
+    assert (c.valid, c.held, c.retained) == (py.valid, py.held, py.retained)
+    assert c.state() == py.state()
+    chunks_c, chunks_py = list(c.chunks()), list(py.chunks())
+    assert chunks_c == chunks_py, "the same events in the same chunks"
+    recorded = {id(e) for b in batches for e in b.events}
+    for a, b in zip(_flat(chunks_c), _flat(chunks_py), strict=True):
+        if id(a) in recorded or id(b) in recorded:
+            assert a is b, "the very same recorded stores (a move's store is built anew)"
+
+
+def _flat(chunks: list[list[Any]]) -> list[Any]:
+    return [e for ch in chunks for e in ch]
+
+
+@settings(max_examples=500, deadline=None)
+@given(streams(), st.sampled_from([10_000, 6]))
+def test_the_c_state_is_the_python_state_for_every_hash_kind(batches, max_blocks):
+    c = Recorder(max_blocks, accelerated=True)
+    py = Recorder(max_blocks, accelerated=False)
+    for b in batches:
+        c.record(b)
+        py.record(b)
+        c.check()
+        assert c._cmode, "ints, bytes and str are all read in C"
+        _same(c, py, batches)
+
+
+def test_a_removal_of_a_scope_interned_later_in_the_same_call_is_applied():
+    def store(group: Any) -> BlockStored:
+        return BlockStored(
+            block_hashes=[0],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=2,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=group,
+        )
+
+    gone = BlockRemoved(block_hashes=[0], medium="GPU", group_idx=1)
+    batch = KVEventBatch(ts=0.0, events=[store(None), gone, store(1), gone], data_parallel_rank=0)
+    rec = Recorder(100, accelerated=True)
+    rec.record(batch)
+    assert rec.state() == {("GPU", None, 0): 1}
+
+
+@pytest.mark.parametrize("odd", [1.5, True, (1, 2), frozenset({3})], ids=repr)
+def test_a_hash_the_c_state_does_not_take_moves_the_state_to_python_until_a_clear(odd):
+    def store(hs: list[Any], parent: Any = None) -> BlockStored:
+        return BlockStored(
+            block_hashes=hs,
+            parent_block_hash=parent,
+            token_ids=[1] * len(hs),
+            block_size=1,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+
+    first = KVEventBatch(ts=0.0, events=[store([1, b"x"]), store([2], 1)], data_parallel_rank=0)
+    odd_batch = KVEventBatch(ts=1.0, events=[store([odd], 2), store([3], 2)], data_parallel_rank=0)
+    cleared = KVEventBatch(ts=2.0, events=[AllBlocksCleared(), store([4])], data_parallel_rank=0)
+    c, py = Recorder(100, accelerated=True), Recorder(100, accelerated=False)
+    for b in (first, odd_batch):
+        c.record(b)
+        py.record(b)
+        c.check()
+        _same(c, py, [first, odd_batch])
+    assert not c._cmode and c.valid, "the Python loop holds it now, exact"
+    for b in (cleared,):
+        c.record(b)
+        py.record(b)
+        _same(c, py, [first, odd_batch, cleared])
+    assert c._cmode, "back in C after the clear"
+
+
+def test_an_unhashable_hash_in_c_makes_it_unavailable_as_in_python():
+    bad = KVEventBatch(
+        ts=0.0,
+        events=[
+            BlockStored(
+                block_hashes=[[1]],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=1,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        ],
+        data_parallel_rank=0,
+    )
+    rec = Recorder(100, accelerated=True)
+    rec.record(bad)
+    assert not rec.valid and "cannot interpret" in rec.reason
+    rec.record(KVEventBatch(ts=1.0, events=[AllBlocksCleared()], data_parallel_rank=0))
+    assert rec.valid and rec._cmode
+
+
+def _cancelling(i: int, n: int, kind: str) -> KVEventBatch:
+    hs: list[Any] = [(i * n + j) * 2654435761 % 2**64 for j in range(n)]
+    if kind == "bytes":
+        hs = [h.to_bytes(8, "big") for h in hs]
+    elif kind == "big":
+        hs = [h + 2**64 for h in hs]
+    store = BlockStored(
+        block_hashes=hs,
+        parent_block_hash=None,
+        token_ids=list(range(n)),
+        block_size=1,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return KVEventBatch(
+        ts=float(i),
+        events=[store, BlockRemoved(block_hashes=list(hs), medium="GPU")],
+        data_parallel_rank=0,
+    )
+
+
+@pytest.mark.parametrize("kind", ["u64", "bytes", "big"])
+def test_memory_is_bounded_by_what_is_held_not_by_events(kind):
+    """Batches that cancel out (as refused batches under overload may) leave the C
+    state as small as it was, interned hashes included, and hold no event."""
+    rec = Recorder(10**6, accelerated=True)
+    held = Recorder(10**6, accelerated=True)
+    for i in range(50):  # a state that stays: 50 x 64 blocks
+        held.record(_kept(10**6 + i, kind))
+    base = held._cs.nbytes
+    probe = _cancelling(0, 64, kind)
+    first = probe.events[0]
+    refs = sys.getrefcount(first)
+    for i in range(2_000):
+        b = _cancelling(i, 64, kind) if i else probe
+        rec.record(b)
+        held.record(b)
+    gc.collect()
+    assert rec.held == rec.retained == 0 and rec.valid
+    assert rec._cs.nbytes <= 64 * 1024, "the table shrinks back"
+    assert held._cs.nbytes <= 2 * base + 64 * 1024, "only what is held"
+    now = sys.getrefcount(first)  # (outside the assert: pytest keeps its operands)
+    assert now == refs, "a dropped store's event is released"
+    assert held.held == 50 * 64
+
+
+def _kept(i: int, kind: str) -> KVEventBatch:
+    b = _cancelling(i, 64, kind)
+    return KVEventBatch(ts=b.ts, events=b.events[:1], data_parallel_rank=0)
+
+
+def test_a_walk_of_a_state_that_changed_raises():
+    rec = Recorder(10**6, accelerated=True)
+    for i in range(600):
+        rec.record(_kept(i, "u64"))
+    chunks = rec.chunks()
+    assert next(chunks)
+    rec._cs.record(_cancelling(10**5, 1, "u64").events, 0)
+    with pytest.raises(RuntimeError, match="changed"):
+        next(chunks)
+
+
+def test_big_batches_are_applied_with_the_gil_released_and_small_ones_are_not():
+    rec = Recorder(10**6, accelerated=True)
+    before = _crecord.gil_releases()
+    rec.record(_cancelling(1, 16, "u64"))
+    assert _crecord.gil_releases() == before
+    rec.record(_cancelling(2, 8192, "u64"))
+    assert _crecord.gil_releases() == before + 1
+    assert rec.held == 0 and rec.valid
+
+
+def test_the_layout_check_covers_the_recorder():
+    assert _layout.layout_problem(_crecord) is None
+
+
+def test_a_class_with_a_field_that_is_not_a_slot_is_applied_in_python():
+    class Plain:  # a BlockStored-tagged class whose fields are properties
+        __struct_config__ = BlockStored.__struct_config__
+        block_hashes = property(lambda self: [5])
+        parent_block_hash = None
+        token_ids = property(lambda self: [1])
+        medium = "GPU"
+
+    rec = Recorder(100, accelerated=True)
+    rec.record(KVEventBatch(ts=0.0, events=[Plain()], data_parallel_rank=0))
+    assert rec.valid and rec.state() == {("GPU", None, 5): 1}
