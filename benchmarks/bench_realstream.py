@@ -42,7 +42,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_compact import alternate
 
 from coalesce import compactor
-from coalesce.testing import without_accelerator
 from coalesce_tools.results import header, recording, row
 from coalesce_tools.vllm_engine import VllmEngine, seed_like
 
@@ -122,8 +121,7 @@ def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, f
         return [enc.encode(b) for b in compactor.compact(win)[0]]
 
     def rules_py(win: Window) -> Any:
-        with without_accelerator():
-            return [enc.encode(b) for b in compactor.compact(win)[0]]
+        return [enc.encode(b) for b in compactor.compact(win, accelerated=False)[0]]
 
     paths = {"raw": raw, "rules C wire": wire, "rules C": rules_c, "rules py": rules_py}
     if not compactor.accelerated():

@@ -19,7 +19,7 @@ and CPU pools hold at the end (per medium, with how many blocks hold each hash).
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +94,10 @@ def run_engine(publisher: str, offload: str, python_rules: bool = False) -> Run:
     raw = Sub(ep)
     llmd = LlmdRulesConsumer(ep, rep)
     sub = Subscriber(ep, rep, mode="llmd", rcvhwm=0)
-    with use_publisher(publisher):
-        eng = VllmEngine(cfg, ep, replay_endpoint=rep)
+    with use_publisher(publisher), without_accelerator() if python_rules else nullcontext():
+        eng = VllmEngine(cfg, ep, replay_endpoint=rep)  # a publisher built without C
+    if python_rules:
+        assert not eng.publisher.stats().compactor_accelerated, "the pure-Python rules"
     published: list[list[bytes]] = []
     inner = eng.publisher.publish
 
@@ -105,23 +107,20 @@ def run_engine(publisher: str, offload: str, python_rules: bool = False) -> Run:
 
     eng.publisher.publish = recording
     try:
-        with ExitStack() as stack:
-            if python_rules:
-                stack.enter_context(without_accelerator())
-            if publisher == "coalesce":
-                with held(eng.publisher):  # the backlog builds up, then is released
-                    while eng.busy() and eng.added < cfg.requests * HOLD_FOR:
-                        eng.step()
-                eng.run()
-                assert eng.publisher.flush(30)
-                stats = eng.publisher.stats()
-                last = stats.messages_sent - 1
-            else:
-                eng.run()
-                stats = None
-                last = len(published) - 1
-            llmd.poll(0)  # its proactive replay from 0, as llm-d does on connect
-            _drain(raw, llmd, sub, last)
+        if publisher == "coalesce":
+            with held(eng.publisher):  # the backlog builds up, then is released
+                while eng.busy() and eng.added < cfg.requests * HOLD_FOR:
+                    eng.step()
+            eng.run()
+            assert eng.publisher.flush(30)
+            stats = eng.publisher.stats()
+            last = stats.messages_sent - 1
+        else:
+            eng.run()
+            stats = None
+            last = len(published) - 1
+        llmd.poll(0)  # its proactive replay from 0, as llm-d does on connect
+        _drain(raw, llmd, sub, last)
         dec = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
         assert [m[1] for m in raw.messages] == list(range(last + 1)), "a contiguous stream"
         received = [dec.decode(m[2]) for m in raw.messages]
@@ -200,6 +199,7 @@ def test_coalesce_on_vllms_scheduler_ends_as_stock_and_as_the_pools(offload, rul
     run = run_engine("coalesce", offload, python_rules=rules == "python")
     assert run.published == ref.published, "the same seeded run: the same events"
     st = run.stats
+    assert st.compactor_accelerated == (rules == "C"), "the rules asked for"
     assert st.batches_dropped == 0 and st.loss_markers == 0 and st.seq_gaps == 0
     assert st.batches_in == len(run.published)
     assert st.compaction_passes > 0, "the held backlog was compacted"
