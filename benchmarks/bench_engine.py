@@ -7,10 +7,12 @@ that every sender drains as they come (about 20, 110 and 440 events); the load
 column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
-alternate, ``--rounds`` times per size; medians.  ``coalesce+snap`` records
-for snapshots (``snapshot_endpoint``, opt-in); ``coalesce+snap, as sent`` too,
-with each batch it sent as it came recorded as it was (``RECORD_WINDOW=0``),
-not gathered and compacted first.  ``engine vs stock`` is the
+alternate, ``--rounds`` times per size; medians.  ``coalesce+resync`` records
+every batch for an in-band resync after a loss (``loss_marker=resync``, no
+snapshot socket); ``coalesce+snap`` records for snapshots (``snapshot_endpoint``,
+opt-in); ``coalesce+snap, windows`` too, with what it sent as it came gathered
+and recorded as the compactor's output of each 512 events (``RECORD_WINDOW=512``,
+the recorder's feed before its state was C).  ``engine vs stock`` is the
 loop's wall time over stock's in the same round; ``publish()`` percentiles
 are of every call of the round (medians over rounds).  ``stock blocked``: the
 most calls in a round that found vLLM's queue full (its ``publish()`` waited).
@@ -51,10 +53,10 @@ from coalesce.testing import IDLE_POLL, policy
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import header, row, run
 
-KINDS = ("stock", "coalesce", "coalesce+snap", "coalesce+snap, as sent")
-AS_SENT = "coalesce+snap, as sent"
-"""Snapshots on, each batch sent as it came recorded as it was (``RECORD_WINDOW=0``):
-the A/B of the recorder's feed compacting what it gathers."""
+KINDS = ("stock", "coalesce", "coalesce+resync", "coalesce+snap", "coalesce+snap, windows")
+WINDOWS = "coalesce+snap, windows"
+"""Snapshots on, what was sent as it came gathered and compacted in windows of 512 events
+before it is recorded (``RECORD_WINDOW=512``): the A/B of the feed's windows."""
 FLOORS = ("floor: call", "floor: wake")
 
 
@@ -134,6 +136,7 @@ def one_run(
             endpoint=endpoint,
             max_queue_size=100,
             snapshot_endpoint=f"tcp://*:{snap_port}" if "snap" in kind else None,
+            loss_marker="resync" if "resync" in kind else "clear",
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
@@ -213,7 +216,7 @@ def main() -> None:
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
-                with policy(RECORD_WINDOW=0) if kind == AS_SENT else contextlib.nullcontext():
+                with policy(RECORD_WINDOW=512) if kind == WINDOWS else contextlib.nullcontext():
                     run_ = one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin)
                 runs[kind].append(run_)
             for kind in kinds:

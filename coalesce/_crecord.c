@@ -65,6 +65,7 @@ typedef struct {
 
 static TypeInfo g_types[MAX_TYPES];
 static int g_ntypes = 0;
+static CStructState *g_cs; /* the module's state (gil_releases), set at init */
 static const char *const FIELD_NAMES[NF] = {"block_hashes", "parent_block_hash", "token_ids",
                                              "medium", "group_idx", "locality", "ownership"};
 
@@ -150,6 +151,7 @@ typedef struct {
     int cache_next;
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
     long long nbatches, nevents;   /* given to record_batch() */
+    Py_ssize_t at;                 /* the batch record_batches() was at */
 } State;
 
 static PyTypeObject State_Type;
@@ -728,7 +730,7 @@ static int flush(State *st) {
         int nogil = g_nogil_from >= 0 && (st->hb.n >= (size_t)g_nogil_from || will_grow(st));
         if (nogil) {
             st->busy = 1;
-            cs_gil_releases_count++;
+            g_cs->gil_releases++;
             Py_BEGIN_ALLOW_THREADS
             ok = apply_ops(st);
             if (ok && will_shrink(st)) ok = tab_shrink(&st->keys);
@@ -741,7 +743,7 @@ static int flush(State *st) {
     if (ok && will_shrink(st) && !big_shrink(st)) ok = tab_shrink(&st->keys);
     if (ok && big_shrink(st)) {
         st->busy = 1;
-        cs_gil_releases_count++;
+        g_cs->gil_releases++;
         Py_BEGIN_ALLOW_THREADS
         ok = tab_shrink(&st->keys);
         Py_END_ALLOW_THREADS
@@ -891,6 +893,42 @@ static PyObject *State_record_batch(State *st, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(i);
 }
 
+PyDoc_STRVAR(record_batches_doc,
+             "record_batches(batches, j, max_blocks) -> (int, int)\n\n"
+             "record_batch() for batches[j:] (a list), in one call: (len(batches), -2)\n"
+             "when every one was applied within the budget, else the index of the first\n"
+             "that was not, and record_batch()'s answer for it.  On an error raises, the\n"
+             "failing batch's index in `at`.");
+
+static PyObject *State_record_batches(State *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "record_batches(batches: list, j: int, max_blocks)");
+        return NULL;
+    }
+    PyObject *batches = args[0];
+    Py_ssize_t j = PyLong_AsSsize_t(args[1]);
+    if (j == -1 && PyErr_Occurred()) return NULL;
+    Py_INCREF(batches);
+    long r = -2;
+    for (; j < PyList_GET_SIZE(batches); j++) {
+        PyObject *call[2] = {PyList_GET_ITEM(batches, j), args[2]};
+        Py_INCREF(call[0]);
+        st->at = j;
+        PyObject *got = State_record_batch(st, call, 2);
+        Py_DECREF(call[0]);
+        if (got == NULL) {
+            Py_DECREF(batches);
+            return NULL;
+        }
+        r = PyLong_AsLong(got);
+        Py_DECREF(got);
+        if (r != -2) break;
+    }
+    if (j >= PyList_GET_SIZE(batches)) r = -2;
+    Py_DECREF(batches);
+    return Py_BuildValue("(nl)", j, r);
+}
+
 static PyObject *State_clear(State *st, PyObject *unused) {
     if (!check_free(st)) return NULL;
     forget(st);
@@ -976,6 +1014,7 @@ done:
 }
 
 static PyObject *State_stopped(State *st, void *closure) { return PyLong_FromLong(st->stopped); }
+static PyObject *State_at(State *st, void *closure) { return PyLong_FromSsize_t(st->at); }
 static PyObject *State_batches(State *st, void *closure) {
     return PyLong_FromLongLong(st->nbatches);
 }
@@ -1441,6 +1480,7 @@ static void state_init_fields(State *st) {
     st->cache_next = 0;
     st->store_ops = st->store_hashes = 0;
     st->nbatches = st->nevents = 0;
+    st->at = 0;
     publish(st);
 }
 
@@ -1479,6 +1519,8 @@ static PyMethodDef State_methods[] = {
     {"record", (PyCFunction)(void (*)(void))State_record, METH_FASTCALL, record_doc},
     {"record_batch", (PyCFunction)(void (*)(void))State_record_batch, METH_FASTCALL,
      record_batch_doc},
+    {"record_batches", (PyCFunction)(void (*)(void))State_record_batches, METH_FASTCALL,
+     record_batches_doc},
     {"clear", (PyCFunction)State_clear, METH_NOARGS, "clear() -> None: forget everything."},
     {"export", (PyCFunction)State_export, METH_NOARGS, export_doc},
     {"walk", (PyCFunction)State_walk, METH_VARARGS, walk_doc},
@@ -1488,6 +1530,7 @@ static PyMethodDef State_methods[] = {
 static PyGetSetDef State_getset[] = {
     {"stopped", (getter)State_stopped, NULL, "why the last record() stopped", NULL},
     {"batches", (getter)State_batches, NULL, "batches given to record_batch()", NULL},
+    {"at", (getter)State_at, NULL, "the batch record_batches() was at", NULL},
     {"events", (getter)State_events, NULL, "their events", NULL},
     {"held", (getter)State_held, NULL, "keys held", NULL},
     {"counts", (getter)State_counts, NULL, "the counts' sum", NULL},
@@ -1565,7 +1608,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "coalesce._crecord",
     "The snapshot recorder's state and loop (coalesce/_recorder.py: the semantics and the "
     "oracle).",
-    -1, methods, NULL, NULL, NULL, NULL,
+    sizeof(CStructState), methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__crecord(void) {
@@ -1574,6 +1617,7 @@ PyMODINIT_FUNC PyInit__crecord(void) {
     if (PyType_Ready(&State_Type) < 0 || PyType_Ready(&Walk_Type) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    g_cs = (CStructState *)PyModule_GetState(m);
     if (PyModule_AddObjectRef(m, "State", (PyObject *)&State_Type) < 0 ||
         PyModule_AddObjectRef(m, "Walk", (PyObject *)&Walk_Type) < 0) {
         Py_DECREF(m);

@@ -100,8 +100,9 @@ class Feed:
         gathered, self._gathered = self._gathered, []
         total, self._gathered_events = self._gathered_events, 0
         if total < self._least or self._window <= 0:
-            for batch in gathered:
-                self._record(batch)
+            self.recorder.record_many(gathered)  # (one C call for the list)
+            if self.recorder.valid != self._was_valid:
+                self._say()
             return
         start = events = 0
         for i, batch in enumerate(gathered):

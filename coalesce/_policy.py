@@ -50,12 +50,13 @@ class Policy:
     """At most this many times ``max_events_per_step`` in one rules window, when the
     rest of the sender's GIL slice holds them at the rules' measured cost."""
 
-    record_window: int = 512
+    record_window: int = 0
     """Events of batches sent as they came (not through the rules) that the recorder's
     feed (``coalesce._feed``) gathers, then records as the compactor's output of
-    them: the same state for every subscriber model, with chains and removal lists
-    merged and cancelling pairs gone before the recorder's per-event work.  0: each
-    batch recorded as it was sent."""
+    them (the same state for every subscriber model, fewer events).  0 (the
+    default): each batch recorded as it was sent, the list in one call: with the
+    recorder's state in C, recording costs less than the compactor's pass
+    (bench_recorder; docs/decisions.md)."""
 
     record_from: int = 32
     """Fewest events of a gathered window that the feed compacts; a smaller one (a

@@ -223,9 +223,35 @@ class Recorder:
             self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
 
     def record_many(self, batches: Iterable[Any]) -> None:
-        """:meth:`record` each of ``batches``, in order (the feed of a list)."""
-        for batch in batches:
-            self.record(batch)
+        """:meth:`record` each of ``batches``, in order: with the C state, one call
+        for the list (each batch still checked against the budget).  Never raises."""
+        if type(batches) is not list:
+            batches = list(batches)
+        j, end = 0, len(batches)
+        while j < end:
+            if self._fast is None:
+                self.record(batches[j])
+                j += 1
+                continue
+            try:
+                j, r = self._cs.record_batches(batches, j, self.max_blocks)
+            except Exception as exc:  # (as in record)
+                j = self._cs.at + 1
+                self.invalidate(
+                    f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
+                )
+                continue
+            if j == end:
+                return
+            batch = batches[j]
+            j += 1
+            if r == -1:
+                self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+            elif r >= 0:
+                self._record_list(batch.events, r)
+            else:  # (its events are not a list)
+                self._batches += 1
+                self._record_list(None, 0, batch)
 
     def _record_c(self, events: list[Any], i: int) -> int:
         """The C loop from ``events[i]``; the index after what it (or this) applied."""

@@ -62,10 +62,15 @@ groups = st.sampled_from((None, None, 1))
 localities = st.sampled_from((None, None, "rack1"))
 
 
+ODD = [1.5, (1, 2)]
+"""Hashes the C state does not take: the state moves to Python until a clear."""
+
+
 @st.composite
-def events(draw: Any) -> Any:
+def events(draw: Any, odd: bool = False) -> Any:
     kind = draw(st.sampled_from(("store", "store", "store", "remove", "remove", "move", "clear")))
-    hs = draw(st.lists(hashes, min_size=0, max_size=4))
+    pool = st.sampled_from(HASHES + ODD) if odd and draw(st.integers(0, 9)) == 0 else hashes
+    hs = draw(st.lists(pool, min_size=0, max_size=4))
     parent = draw(st.one_of(st.none(), hashes))
     tokens = list(range(2 * len(hs))) if draw(st.booleans()) else []
     other = draw(st.integers(0, 5)) == 0
@@ -114,8 +119,8 @@ def events(draw: Any) -> Any:
 
 
 @st.composite
-def streams(draw: Any) -> list[Any]:
-    evs = draw(st.lists(events(), max_size=40))
+def streams(draw: Any, odd: bool = False) -> list[Any]:
+    evs = draw(st.lists(events(odd), max_size=40))
     out, i = [], 0
     while i < len(evs):
         n = draw(st.integers(1, 6))
@@ -155,6 +160,25 @@ def test_the_c_state_is_the_python_state_for_every_hash_kind(batches, max_blocks
         c.check()
         assert c._cmode, "ints, bytes and str are all read in C"
         _same(c, py, batches)
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams(odd=True), st.sampled_from([10_000, 6]), st.data())
+def test_a_list_of_batches_in_one_call_is_each_batch_recorded(batches, max_blocks, data):
+    """record_many (one C call for a list), with hashes now and then that send the
+    state to Python, and a budget that may be passed: the same as record()."""
+    c = Recorder(max_blocks, accelerated=True)
+    py = Recorder(max_blocks, accelerated=False)
+    i = 0
+    while i < len(batches):
+        n = data.draw(st.integers(1, 5), label="list")
+        c.record_many(batches[i : i + n])
+        for b in batches[i : i + n]:
+            py.record(b)
+        i += n
+        c.check()
+        _same(c, py, batches)
+        assert (c.batches, c.events, c.invalidations) == (py.batches, py.events, py.invalidations)
 
 
 def test_a_removal_of_a_scope_interned_later_in_the_same_call_is_applied():

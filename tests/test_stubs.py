@@ -128,13 +128,24 @@ def test_the_stub_result_classes_have_the_fields(name: str) -> None:
     for cls_name, node in _stub(name).items():
         if not isinstance(node, ast.ClassDef):
             continue
+        cls = getattr(mod, cls_name)
         props = [
             f.name
             for f in node.body
             if isinstance(f, ast.FunctionDef)
             and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
         ]
-        assert props == list(getattr(mod, cls_name).__match_args__), cls_name
+        if hasattr(cls, "__match_args__"):  # a result class (structseq): its fields, in order
+            assert props == list(cls.__match_args__), cls_name
+            continue
+        members = [  # a class of objects: each method and attribute the stub names
+            f.target.id
+            if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+            else f.name
+            for f in node.body
+            if isinstance(f, ast.FunctionDef | ast.AnnAssign)
+        ]
+        assert members and all(hasattr(cls, m) for m in members), (cls_name, members)
 
 
 def test_the_checks_catch_drift() -> None:
