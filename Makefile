@@ -16,7 +16,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: demo test test-pure test-vllm test-sglang test-dynamo lint bench check-c docs clean
+.PHONY: demo demo-vllm test test-pure test-vllm test-sglang test-dynamo lint bench bench-vllm check-c docs clean
 
 # setup.py builds the optional C accelerators in place; a C change reinstalls.
 C_SOURCES := pyproject.toml setup.py $(wildcard coalesce/*.c coalesce/*.h)
@@ -53,6 +53,12 @@ $(VLLM_STAMP): $(C_SOURCES) requirements/vllm-conformance.txt
 
 test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 wheel
 	$(VLLM_BIN)/python -m pytest -q tests_vllm
+
+demo-vllm: $(VLLM_STAMP)  ## the demo on vLLM's own scheduler, KV cache manager and CPU offload (real producer)
+	$(VLLM_BIN)/coalesce demo --scheduler
+
+bench-vllm: $(VLLM_STAMP) ## benchmarks on vLLM's own stream (results in benchmarks/results/)
+	$(VLLM_BIN)/python benchmarks/bench_realstream.py
 
 $(SGLANG_STAMP): $(C_SOURCES) requirements/sglang.txt
 	$(call tier_venv,$(SGLANG_VENV),requirements/sglang.txt,sglang==0.5.23,test)

@@ -93,9 +93,24 @@ def demo_main(argv: Sequence[str]) -> int:
         "delays the whole group; auto: on where the host has a core for each rank's engine "
         "and one for its sender (2 x ranks), off below",
     )
+    d.add_argument(
+        "--scheduler",
+        action="store_true",
+        help="vLLM's own scheduler, KV cache manager and CPU offload manager as the producer "
+        "(needs vllm==0.33.0: make demo-vllm); uses --ranks, --queue, --lockstep, --only, --out, "
+        "and --gpu-us as the fake forward pass of each step (GIL released)",
+    )
+    d.add_argument(
+        "--offload",
+        choices=("eager", "lazy", "none"),
+        default="eager",
+        help="with --scheduler: vLLM's SimpleCPUOffloadConnector mode (default eager)",
+    )
     d.add_argument("--out", default="results", help="where demo.json and demo.png go")
     d.add_argument("--only", choices=KINDS, action="append", help="run only these")
     args = d.parse_args(argv)
+    if args.scheduler:
+        return _scheduler_demo(args)
     try:
         cfg = replace(
             WorkloadConfig(),
@@ -118,3 +133,22 @@ def demo_main(argv: Sequence[str]) -> int:
     # missing blocks, which it knows it forgot
     ours = [r for r in results if r.publisher == "coalesce"]
     return 0 if all(r.silent == 0 and (r.stale == 0 or r.resets) for r in ours) else 1
+
+
+def _scheduler_demo(args: argparse.Namespace) -> int:
+    """``--scheduler``: the rows on vLLM's own scheduler (coalesce_tools.demo_vllm); 0
+    when coalesce's rows end exact against the engine's pools."""
+    from coalesce_tools.demo_vllm import run_scheduler_demo
+    from coalesce_tools.vllm_engine import seed_like
+
+    cfg = seed_like(args.offload, gpu_ms=args.step_gpu_us / 1e3)  # --gpu-us: the forward
+    rows = run_scheduler_demo(
+        cfg,
+        ranks=args.ranks,
+        queue=args.queue,
+        rows=tuple(args.only or PUBLISHERS),
+        lockstep=args.lockstep != "off",
+        outdir=args.out,
+    )
+    ours = [r for r in rows if r.publisher.startswith("coalesce")]
+    return 0 if all(r.exact_ranks == r.ranks for r in ours) else 1

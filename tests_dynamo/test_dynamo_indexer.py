@@ -41,9 +41,9 @@ def indexer() -> Iterator[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def _indexer(log: Any = subprocess.DEVNULL) -> Iterator[tuple[int, int]]:
+def _indexer(log: Any = subprocess.DEVNULL, block_size: int = 4) -> Iterator[tuple[int, int]]:
     """A Dynamo indexer following worker 1 on a fresh port: (zmq port, http port);
-    its log goes to ``log`` (a file)."""
+    its log goes to ``log`` (a file); ``block_size``: the tokens per block it expects."""
     port, http = free_port(), free_port()
     proc = subprocess.Popen(
         [
@@ -53,7 +53,7 @@ def _indexer(log: Any = subprocess.DEVNULL) -> Iterator[tuple[int, int]]:
             "--workers",
             f"1=tcp://127.0.0.1:{port}",
             "--block-size",
-            "4",
+            str(block_size),
             "--port",
             str(http),
             "--threads",

@@ -1,0 +1,177 @@
+"""Compaction on vLLM's own stream: what it saves, what it costs, by window size.
+
+The stream is recorded from vLLM 0.33's real scheduler, KV cache manager and
+CPU offload manager (``coalesce_tools.vllm_engine``; fake model runner and
+offload worker, a store completing one step after it was issued), one seeded
+run per offload mode, with vLLM's ``NullEventPublisher`` (the batches are kept
+as the scheduler published them, in vLLM's own classes).  The workload is the
+seed's shape at this host's scale: 512 requests, 128 in flight, on 16 shared
+2,048-token prefixes, a 1,500-block GPU pool and a 2,000-block CPU pool.
+
+For each window size W (consecutive published batches, as a sender holding a
+backlog of W batches would take them), the whole stream is cut into windows
+of W batches and each window goes through ``coalesce.compactor.compact``:
+
+- volume: events, payload bytes (msgspec) and messages after compaction, over
+  the same batches sent one by one;
+- cost: ``compact_for_wire`` + encoding its output (what the sender's rules
+  level runs), and ``compact`` + encode with the C rules and with the
+  pure-Python rules, each per input event, against encoding the same batches
+  one by one (``raw``); timed in alternation, medians.
+
+The last column of the volume table counts CPU stores of one hash left in the
+output: the cause of larger windows keeping more events (docs/vllm-engine.md).
+
+    .venv-vllm/bin/python benchmarks/bench_realstream.py [--seconds 0.2] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_compact import alternate
+
+from coalesce import compactor
+from coalesce_tools.results import header, recording, row
+from coalesce_tools.vllm_engine import VllmEngine, seed_like
+
+WINDOWS = (1, 2, 4, 8, 16, 32, 64)
+COST_WINDOWS = (1, 4, 16, 64)
+Window = list[Any]
+
+
+def record(offload: str) -> tuple[list[Any], dict[str, Any]]:
+    """One seeded run of vLLM's scheduler: its published batches, and the run's shape."""
+    cfg = seed_like(offload)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    eng = VllmEngine(cfg, "inproc://bench-realstream", record=True, publisher="null")
+    eng.run()
+    took = time.perf_counter() - t0
+    batches = eng.batches or []
+    eng.shutdown()
+    sizes = sorted(len(b.events) for b in batches)
+    shape = {
+        "steps": eng.steps,
+        "batches": len(batches),
+        "events": sum(sizes),
+        "events_per_batch_median": sizes[len(sizes) // 2] if sizes else 0,
+        "events_per_batch_max": sizes[-1] if sizes else 0,
+        "engine_seconds": round(took, 2),
+    }
+    return batches, shape
+
+
+def windows_of(batches: list[Any], w: int) -> list[Window]:
+    return [batches[i : i + w] for i in range(0, len(batches), w)]
+
+
+def volume(batches: list[Any], w: int) -> dict[str, Any]:
+    """Events, bytes and messages after compacting windows of ``w`` batches, over 1:1."""
+    enc = msgspec.msgpack.Encoder()
+    ev_in = ev_out = b_in = b_out = m_out = singles = 0
+    for win in windows_of(batches, w):
+        out, rep = compactor.compact(win)
+        ev_in += rep.events_in
+        ev_out += rep.events_out
+        m_out += len(out)
+        b_in += sum(len(enc.encode(b)) for b in win)
+        b_out += sum(len(enc.encode(b)) for b in out)
+        singles += sum(
+            1
+            for b in out
+            for e in b.events
+            if type(e).__name__ == "BlockStored" and e.medium == "CPU" and len(e.block_hashes) == 1
+        )
+    return {
+        "window": w,
+        "events": round(ev_out / ev_in, 4),
+        "bytes": round(b_out / b_in, 3),
+        "messages": round(m_out / len(batches), 4),
+        "events_out": ev_out,
+        "cpu_single_stores_out": singles,
+    }
+
+
+def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, float]:
+    """ns per input event of each path over every window of ``w`` batches (medians)."""
+    enc = msgspec.msgpack.Encoder()
+    wins = windows_of(batches, w)
+    events = sum(len(b.events) for b in batches)
+
+    def over(fn: Callable[[Window], Any]) -> Callable[[], Any]:
+        return lambda: [fn(win) for win in wins]
+
+    def raw(win: Window) -> Any:
+        return [enc.encode(b) for b in win]
+
+    def wire(win: Window) -> Any:
+        return [enc.encode(b) for b in compactor.compact_for_wire(win)[0]]
+
+    def rules_c(win: Window) -> Any:
+        return [enc.encode(b) for b in compactor.compact(win)[0]]
+
+    def rules_py(win: Window) -> Any:
+        return [enc.encode(b) for b in compactor.compact(win, accelerated=False)[0]]
+
+    paths = {"raw": raw, "rules C wire": wire, "rules C": rules_c, "rules py": rules_py}
+    if not compactor.accelerated():
+        del paths["rules C wire"], paths["rules C"]
+    per = alternate(
+        {k: over(fn) for k, fn in paths.items()}, events, seconds, rounds, slow={"rules py": 10}
+    )
+    return {k: round(v * 1e9, 1) for k, v in per.items()}
+
+
+def main(figures: dict[str, Any]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=0.2, help="per path per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--offload", action="append", choices=("eager", "lazy", "none"))
+    args = ap.parse_args()
+    print(
+        f"# bench_realstream: {platform.python_version()}, msgspec {msgspec.__version__}, "
+        f"accelerator {'built' if compactor.accelerated() else 'MISSING'}, "
+        f"{args.rounds} rounds x {args.seconds} s, medians\n"
+    )
+    for offload in args.offload or ["eager", "lazy"]:
+        batches, shape = record(offload)
+        gc.collect()
+        print(f"\n## {offload} offload: {shape}\n")
+        vol = [volume(batches, w) for w in WINDOWS]
+        header("window (batches)", "events out", "bytes out", "messages out", "CPU 1-hash stores")
+        for v in vol:
+            row(v["window"], v["events"], v["bytes"], v["messages"], v["cpu_single_stores_out"])
+        print()
+        costs = {}
+        header(
+            "window (batches)",
+            "raw encode ns/event",
+            "C wire+enc",
+            "C+enc",
+            "py+enc",
+            "C wire / raw",
+        )
+        gc.freeze()
+        for w in COST_WINDOWS:
+            c = cost(batches, w, args.seconds, args.rounds)
+            costs[w] = c
+            wire = c.get("rules C wire")
+            ratio = f"{wire / c['raw']:.2f}x" if wire else "n/a"
+            row(w, c["raw"], wire, c.get("rules C"), c["rules py"], ratio)
+        gc.unfreeze()
+        figures[offload] = {"stream": shape, "volume": vol, "cost_ns_per_event": costs}
+
+
+if __name__ == "__main__":
+    with recording("bench_realstream", __doc__ or "") as fig:
+        main(fig)
