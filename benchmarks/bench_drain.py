@@ -2,14 +2,16 @@
 
 The engine publishes a whole window of batches at once (into a queue large
 enough never to block) and then waits; the time until the last one has left
-the sender is the drain time.  Three workloads: big offload batches (about 110
+the sender is the drain time.  The workloads: big offload batches (about 110
 events, as bench_publish builds them), many small ones (about 20 events:
 "thousands of EventBatch objects in one shot" in the upstream report), and
 8,000 seed-like batches (the workload model's bursts of long prompts, cut into
 batches of at most 120 events, about 117 on average: the run issue 39 reported
-as a user would make it).  With vLLM installed every batch is vLLM's own class.  A
-real SUB socket is connected and read by a process of its own
-(benchmarks/_reader.py), so sends cost what they cost with a subscriber.
+as a user would make it), and, with vLLM installed, the stream of vLLM's own
+scheduler (bench_realstream's eager run, repeated to about 1.2 M events).
+With vLLM installed every batch is vLLM's own class.  A real SUB socket is
+connected and read by a process of its own (benchmarks/_reader.py), so sends
+cost what they cost with a subscriber.
 Publishers alternate; medians of ``--repeats`` runs, each about 1.3 M events
 (shorter runs, a fraction of a second, vary by 2x on this machine).  Wire
 bytes are over what encoding every batch gives; CPU is the engine's
@@ -60,6 +62,17 @@ def seed_like(n: int, most: int = 120) -> list[Any]:
 
     decode = msgspec.msgpack.Decoder(vk.KVEventBatch).decode
     return [decode(_ENC.encode(b)) for b in batches]
+
+
+def vllm_stream(events: int = 1_200_000) -> list[Any]:
+    """vLLM's own stream (``bench_realstream``: its scheduler, KV cache manager and
+    CPU offload manager, eager offload, one seeded run, its batches as published),
+    repeated until it holds ``events``.  Only with vLLM installed."""
+    from bench_realstream import record
+
+    batches, _ = record("eager")
+    per = sum(len(b.events) for b in batches)
+    return batches * max(1, events // per)
 
 
 @dataclass
@@ -140,6 +153,8 @@ def main() -> None:
         ("small (~20 events)", lambda: [make_batch(i, 7) for i in range(60_000)]),
         ("seed-like (~117 events)", lambda: seed_like(8_000)),
     )
+    if REAL_VLLM:  # the stream of vLLM's own scheduler
+        workloads += (("vLLM's scheduler, eager offload", vllm_stream),)
     for name, make in workloads:
         batches = make()
         n = len(batches)

@@ -278,7 +278,8 @@ def stock_capacity_per_step(cfg: WorkloadConfig) -> float:
     return rate * gpu_wait
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` tcp ports free on the loopback now."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -538,7 +539,7 @@ def run_publisher(
 
     _, real_stock = stock_publisher(cfg.engine)
     ctx = mp.get_context("spawn")
-    ports = _free_ports(3 * cfg.ranks)
+    ports = free_ports(3 * cfg.ranks)
     endpoints = [f"tcp://127.0.0.1:{ports[r]}" for r in range(cfg.ranks)]
     snapshots: list[str | None] = [
         f"tcp://127.0.0.1:{ports[2 * cfg.ranks + r]}" if kind == "coalesce+snap" else None

@@ -29,11 +29,12 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from coalesce_tools.demo import free_ports
 
 __all__ = ["ROWS", "RowResult", "run_scheduler_demo"]
 
@@ -69,17 +70,6 @@ class RowResult:
     resets: int = 0
     gaps: int = 0
     per_medium: dict[str, dict[str, int]] = field(default_factory=dict)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -209,7 +199,7 @@ def run_row(
 ) -> RowResult:
     from coalesce.subscriber import Subscriber
 
-    ports_list = _free_ports(3)
+    ports_list = free_ports(3)
     # each kind's ports: base + rank (vLLM's tcp rule); leave room for the ranks
     base = {"pub": ports_list[0], "replay": ports_list[1], "snap": ports_list[2]}
     ports = dict(base)

@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -90,11 +90,14 @@ def _store(h: int) -> KVEventBatch:
     return KVEventBatch(0.0, [BlockStored([h], None, [h] * 4, 4, None, "GPU", None)])
 
 
-def _join(pub: CoalescingPublisher, http: int) -> None:
-    """Dynamo connects to the publisher: wait until it reads, then take the probe back."""
+def _join(
+    pub: CoalescingPublisher, http: int, store: Callable[[int], KVEventBatch] = _store
+) -> None:
+    """Dynamo connects to the publisher: wait until it reads, then take the probe back
+    (``store(h)``: a batch storing ``h`` in the indexer's block size)."""
     wait_for(
         lambda: (
-            pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
+            pub.publish(store(PROBE)) is PublishOutcome.QUEUED
             and pub.flush(5.0)
             and PROBE in (_dump(http) or set())
         ),

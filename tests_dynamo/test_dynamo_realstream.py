@@ -21,11 +21,11 @@ from typing import Any
 
 import msgspec
 
-from coalesce import BlockRemoved, CoalescingPublisher, KVEventBatch, PublishOutcome
+from coalesce import CoalescingPublisher, KVEventBatch, PublishOutcome
 from coalesce.refmodel import SubscriberModel
 from coalesce_tools.realstream import load
 from tests.conftest import held, wait_for
-from tests_dynamo.test_dynamo_indexer import PROBE, SENTINEL, _dump, _indexer
+from tests_dynamo.test_dynamo_indexer import SENTINEL, _dump, _indexer, _join
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "vllm-eager.msgpack.gz")
 BLOCK = 16
@@ -42,16 +42,7 @@ def _through_coalesce(batches: list[Any], compacted: bool) -> tuple[set[int], An
     with _indexer(block_size=BLOCK) as (port, http):
         pub = CoalescingPublisher(endpoint=f"tcp://*:{port}")
         try:
-            wait_for(
-                lambda: (
-                    pub.publish(_store(PROBE)) is PublishOutcome.QUEUED
-                    and pub.flush(5.0)
-                    and PROBE in (_dump(http) or set())
-                ),
-                timeout=30,
-                what="Dynamo to read the stream",
-            )
-            pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
+            _join(pub, http, _store)
             assert pub.flush(10.0)
             before = pub.stats().messages_sent
             if compacted:
