@@ -21,8 +21,8 @@ the engine neither time nor unbounded memory:
   abandoned, and one to a client that has gone (``EHOSTUNREACH``) stops at once.
 - At most ``max_active`` replies are in progress; up to ``max_waiting``
   further requests wait their turn; and requests are refused (not answered,
-  counted in ``refused``) while more than ``max_clients`` connections are
-  open (counted by a ZeroMQ socket monitor; tcp and ipc only, inproc peers are
+  _counted in ``refused``) while more than ``max_clients`` connections are
+  open (_counted by a ZeroMQ socket monitor; tcp and ipc only, inproc peers are
   in-process).  So what ZeroMQ holds for all replay clients together is at
   most ``max_clients * window`` messages.
 
@@ -40,7 +40,7 @@ import zmq
 from coalesce._settings import Settings
 from coalesce._stream import ReplayBuffer
 from coalesce._wire import END_SEQ, read_requests
-from coalesce.stats import ReplayStats
+from coalesce.stats import ReplayStats, _counted
 
 __all__ = ["ReplayService"]
 
@@ -118,13 +118,7 @@ class ReplayService:
 
     def stats(self) -> ReplayStats:
         """The counters, frozen.  O(1)."""
-        return ReplayStats(
-            replay_requests=self.requests,
-            replay_invalid=self.invalid,
-            replay_refused=self.refused,
-            replay_messages=self.messages,
-            replay_abandoned=self.abandoned,
-        )
+        return _counted(ReplayStats, self, "replay_")
 
     @property
     def busy(self) -> bool:

@@ -1,7 +1,7 @@
 """The stream: the one place a seq is assigned and a message goes on the wire.
 
 Every message, whether a batch's payload, a loss's marker or a heartbeat, is
-sent here, kept for replay here and counted here, once; the sender thread owns
+sent here, kept for replay here and _counted here, once; the sender thread owns
 one :class:`Stream` and sends through nothing else.
 
 A loss (a batch refused, abandoned or unencodable) is noted with
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from coalesce._settings import LossMarker
 from coalesce._wire import Encoder, SendMessage
 from coalesce.events import AllBlocksCleared
-from coalesce.stats import StreamStats
+from coalesce.stats import StreamStats, _counted
 
 __all__ = ["ReplayBuffer", "Stream"]
 
@@ -202,13 +202,7 @@ class Stream:
 
     def stats(self) -> StreamStats:
         """The counters, frozen.  O(1)."""
-        return StreamStats(
-            messages_sent=self.messages_sent,
-            events_sent=self.events_sent,
-            bytes_sent=self.bytes_sent,
-            seq_gaps=self.seq_gaps,
-            loss_markers=self.loss_markers,
-        )
+        return _counted(StreamStats, self)
 
     def _show(self) -> None:
         if self._marker is None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "BacklogStats",
@@ -150,9 +150,9 @@ class PublisherStats(SnapshotStats, ReplayStats, StreamStats, SenderStats, Backl
     are batches waiting for the sender.
 
     Counts are of batches, events and bytes, which cost nothing to keep; block
-    hashes are not counted on the way in or out (docs/benchmarks.md has the cost).
+    hashes are not _counted on the way in or out (docs/benchmarks.md has the cost).
 
-    Every loss is counted in ``batches_dropped`` (refused by ``publish()``
+    Every loss is _counted in ``batches_dropped`` (refused by ``publish()``
     over budget or after the sender failed, or abandoned by ``shutdown()``)
     or ``encode_failures``, and each loss episode is shown on the wire once: a
     loss marker (``loss_markers``) or a skipped sequence number (``seq_gaps``),
@@ -179,6 +179,16 @@ class PublisherStats(SnapshotStats, ReplayStats, StreamStats, SenderStats, Backl
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as a plain dict (for JSON or metrics)."""
         return asdict(self)
+
+
+_Stats = TypeVar("_Stats")
+
+
+def _counted(cls: type[_Stats], counters: object, prefix: str = "") -> _Stats:
+    """A component's stats: each field of ``cls`` is the attribute of ``counters`` of
+    its name, less ``prefix`` (``replay_requests``: ``requests``).  O(fields)."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    return cls(**{n: getattr(counters, n.removeprefix(prefix)) for n in names})
 
 
 def field_docs() -> dict[str, str]:
