@@ -107,6 +107,17 @@ def _join(
     pub.publish(KVEventBatch(0.0, [BlockRemoved([PROBE] * 100, "GPU")]))
 
 
+def _read_to_the_end(
+    pub: CoalescingPublisher, http: int, store: Callable[[int], KVEventBatch] = _store
+) -> set[int]:
+    """What Dynamo holds once it has read everything ``pub`` sent: a sentinel stored
+    last (in order: once Dynamo holds it, it read the rest), then left out."""
+    pub.publish(store(SENTINEL))
+    assert pub.flush(10.0)
+    wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
+    return (_dump(http) or set()) - {SENTINEL}
+
+
 def _truth(batches: list[KVEventBatch]) -> set[int]:
     model = SubscriberModel("dynamo")  # its parent rule: the parent held in the same medium
     for b in batches:
@@ -147,10 +158,7 @@ def run(
                     assert pub.publish(b) is PublishOutcome.QUEUED
                     assert pub.flush(10.0)
         assert pub.flush(10.0)
-        pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
-        assert pub.flush(10.0)
-        wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
-        got = (_dump(http) or set()) - {SENTINEL}
+        got = _read_to_the_end(pub, http)
     finally:
         pub.shutdown()
     return got, _truth(published), pub.stats()
@@ -235,10 +243,7 @@ def _overloaded_into_dynamo(indexer: tuple[int, int], lossy: bool) -> tuple[set[
     try:
         _join(pub, http)
         overloaded(pub, rounds=5, burst=40)
-        pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
-        assert pub.flush(10.0)
-        wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
-        return (_dump(http) or set()) - {SENTINEL}, pub.stats()
+        return _read_to_the_end(pub, http), pub.stats()
     finally:
         pub.shutdown()
 

@@ -24,8 +24,8 @@ import msgspec
 from coalesce import CoalescingPublisher, KVEventBatch, PublishOutcome
 from coalesce.refmodel import SubscriberModel
 from coalesce_tools.realstream import load
-from tests.conftest import held, wait_for
-from tests_dynamo.test_dynamo_indexer import SENTINEL, _dump, _indexer, _join
+from tests.conftest import held
+from tests_dynamo.test_dynamo_indexer import _indexer, _join, _read_to_the_end
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "vllm-eager.msgpack.gz")
 BLOCK = 16
@@ -55,10 +55,7 @@ def _through_coalesce(batches: list[Any], compacted: bool) -> tuple[set[int], An
                     assert pub.flush(10.0)  # one batch, one message: vLLM's stream
             assert pub.flush(30.0)
             sent = pub.stats().messages_sent - before
-            pub.publish(_store(SENTINEL))  # in order: once Dynamo holds it, it read the rest
-            assert pub.flush(10.0)
-            wait_for(lambda: SENTINEL in (_dump(http) or set()), timeout=30, what="the sentinel")
-            got = (_dump(http) or set()) - {SENTINEL}
+            got = _read_to_the_end(pub, http, _store)
         finally:
             pub.shutdown()
     return got, sent
