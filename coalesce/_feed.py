@@ -1,13 +1,14 @@
 """The recorder's feed: what the sender thread sent or refused, into the recorder.
 
 The sender gives every batch ``publish()`` accepted or refused, in publish order,
-to :meth:`Feed.record`.  Batches the rules already compacted are recorded at
-once; batches sent as they came are gathered, up to the policy's
-``record_window`` events, and recorded as the compactor's output of each window
-of them: the same state for every subscriber model, at a fraction of the
-recorder's per-event work.  What is gathered is recorded (:meth:`Feed.settle`)
-before a walk of the recorder begins, before an invalidation, and whenever the
-sender has caught up.
+to :meth:`Feed.record`, and it records them as they came, a list in one call
+(by default: with the recorder's state in C, that costs less than compacting
+them first).  With the policy's ``record_window`` set (an A/B), batches sent as
+they came are gathered, up to that many events, and recorded as the
+compactor's output of each window of them: the same state for every subscriber
+model, fewer events.  What is gathered is recorded (:meth:`Feed.settle`) before
+a walk of the recorder begins, before an invalidation, and whenever the sender
+has caught up.
 
 A *walk* is the recorder's program being written out a chunk at a time: a
 snapshot reply (``coalesce._snapshot``) or an in-band resync after a loss marker
@@ -84,7 +85,7 @@ class Feed:
                 self._defer(batch)
             elif compacted:
                 self.settle()
-                self._record(batch)
+                self._record([batch])
             else:
                 self._gathered.append(batch)
                 self._gathered_events += event_count(batch)
@@ -100,9 +101,7 @@ class Feed:
         gathered, self._gathered = self._gathered, []
         total, self._gathered_events = self._gathered_events, 0
         if total < self._least or self._window <= 0:
-            self.recorder.record_many(gathered)  # (one C call for the list)
-            if self.recorder.valid != self._was_valid:
-                self._say()
+            self._record(gathered)
             return
         start = events = 0
         for i, batch in enumerate(gathered):
@@ -124,8 +123,7 @@ class Feed:
         if events >= self._least:
             with contextlib.suppress(Exception):  # as it was: the recorder says what it cannot read
                 window = compact(window, accelerated=self._accelerated)[0]
-        for batch in window:
-            self._record(batch)
+        self._record(window)
 
     def _defer(self, batch: Any) -> None:
         self._deferred.append(batch)
@@ -133,8 +131,10 @@ class Feed:
         if self._deferred_events > self._max_deferred and self._abandon is not None:
             self._abandon("the live stream outran it")
 
-    def _record(self, batch: Any) -> None:
-        self.recorder.record(batch)
+    def _record(self, batches: list[Any]) -> None:
+        """Record ``batches``, in order (one C call for the list), and say when the
+        recorder became exact or unavailable."""
+        self.recorder.record_many(batches)
         if self.recorder.valid != self._was_valid:
             self._say()
 

@@ -189,11 +189,12 @@ class Sender:
 
     def _loop(self) -> None:
         backlog, gate, services, resync = self._backlog, self._gate, self.services, self.resync
+        serving = services.any
         deadline: float | None = None
         while True:
             if gate.closed is not None:  # held by a test; one read otherwise
                 gate.wait()
-            did = services.step(behind=backlog.waiting > self._settings.high_watermark)
+            did = serving and services.step()
             if self.closed and deadline is None:
                 deadline = time.monotonic() + self._settings.shutdown_timeout
             if resync is not None and resync.running:  # before any later batch

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from coalesce._backlog import Backlog
 from coalesce._replay import ReplayService
 from coalesce._snapshot import HEARTBEAT, SnapshotServer
 from coalesce._stream import Stream
@@ -29,19 +30,30 @@ class Services:
     of a stream whose subscribers expect one (snapshots on)."""
 
     def __init__(
-        self, replay: ReplayService | None, snapshot: SnapshotServer | None, stream: Stream
+        self,
+        replay: ReplayService | None,
+        snapshot: SnapshotServer | None,
+        stream: Stream,
+        backlog: Backlog,
+        high_watermark: int,
     ) -> None:
         self.replay = replay
         self.snapshot = snapshot
         self._stream = stream
+        self._backlog = backlog
+        self._high_watermark = high_watermark
         self._poll_at = 0.0  # when the sockets are next looked at
 
-    def step(self, behind: bool) -> bool:
+    @property
+    def any(self) -> bool:
+        """A ROUTER to serve (else :meth:`step` has nothing to do)."""
+        return self.replay is not None or self.snapshot is not None
+
+    def step(self) -> bool:
         """Read requests and send a slice of each reply under way (fewer replay
-        messages while the live stream is ``behind``).  True if it did anything."""
+        messages while the live stream is behind its high-water mark).  True if it
+        did anything."""
         replay, snapshot = self.replay, self.snapshot
-        if replay is None and snapshot is None:
-            return False
         now = time.monotonic()
         if not (
             now >= self._poll_at
@@ -53,6 +65,7 @@ class Services:
         did = False
         if replay is not None:
             chunk = replay.chunk
+            behind = self._backlog.waiting > self._high_watermark
             did = replay.step(chunk // 8 if behind else chunk)
         if snapshot is not None and snapshot.step(self._stream.covered):
             did = True

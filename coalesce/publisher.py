@@ -298,7 +298,7 @@ class CoalescingPublisher:
         self._sender = Sender(
             stream=stream,
             encoder=encoder,
-            services=Services(replay, snapshot, stream),
+            services=Services(replay, snapshot, stream, self._backlog, st.high_watermark),
             backlog=self._backlog,
             settings=st,
             policy=hooks.policy,
