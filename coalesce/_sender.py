@@ -138,6 +138,9 @@ class Sender:
         """Set by the facade: flush for ``shutdown_timeout``, then stop."""
         self.idle = False
         """The thread is (about to be) asleep; ``publish()`` may wake it."""
+        self.stepping = False
+        """In a step: what it took from the backlog is not finished with yet (a loss
+        marker, whose refused batches are being recorded, counts in no ``done``)."""
         self._bell = threading.Lock()
         """Released = rung: the idle thread's ``acquire`` takes the ring (one lock
         release wakes it; an ``Event.set()`` costs about three times as much in the
@@ -204,7 +207,11 @@ class Sender:
                 if deadline is not None and time.monotonic() > deadline:
                     self._abandon("shutdown timeout")
                     break
-                self._step(flushing=deadline is not None)
+                self.stepping = True
+                try:
+                    self._step(flushing=deadline is not None)
+                finally:  # (a step that fails has its window counted lost by _die)
+                    self.stepping = False
                 did = True
             elif self.closed:
                 backlog.mark_pending_loss()

@@ -440,7 +440,9 @@ class CoalescingPublisher:
         deadline = time.monotonic() + timeout
         sender = self._sender
         backlog = self._backlog
-        while sender.done < target or sender.resyncing or len(backlog):
+        # (in this order: the sender is in a step before it takes from the backlog,
+        # and a resync it begins there is under way before the step ends)
+        while sender.done < target or len(backlog) or sender.stepping or sender.resyncing:
             if time.monotonic() >= deadline or not sender.thread.is_alive():
                 return False
             time.sleep(0.001)

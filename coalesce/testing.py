@@ -11,7 +11,7 @@ this module's tests, not a benchmark months later.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import fields, replace
 from typing import Any
 
@@ -86,7 +86,7 @@ def without_accelerator() -> Iterator[None]:
         yield
 
 
-def tapped(tap: Tap) -> Any:
+def tapped(tap: Tap) -> AbstractContextManager[Hooks]:
     """A block whose publishers call ``tap(topic, seq, payload)`` after each message they
     send (live messages, loss markers and heartbeats, in the sender thread)."""
     return hooks(tap=tap)
