@@ -212,6 +212,39 @@ def test_coalesce_on_vllms_scheduler_ends_as_stock_and_as_the_pools(offload, rul
 
 
 @pytest.mark.parametrize("rules", ["C", "python"])
+@pytest.mark.parametrize("offload", ["eager", "lazy"])
+def test_a_forced_loss_on_vllms_scheduler_collapses_into_the_pools_truth(
+    offload, rules, monkeypatch
+):
+    """Issue 49's overload on the real producer: an event budget of 1,500 (a tenth of
+    what the held sender lets pile up), ``loss_marker=resync``, and no wait in
+    ``publish()``.  The refused batches and the backlog collapse into the recorder's
+    state, sent as one loss marker and a resync; every consumer (vLLM's decoder on a
+    refcount model, the llm-d rules with replay, ``coalesce.subscriber``) ends with
+    exactly what the engine's GPU and CPU pools hold, as on stock's stream."""
+    from coalesce import compactor
+
+    if rules == "C" and not compactor.accelerated():
+        pytest.skip("the C accelerator is not built")
+    for knob, value in (
+        ("MAX_PENDING_EVENTS", "1500"),
+        ("STALL_TIMEOUT", "0"),
+        ("LOSS_MARKER", "resync"),
+    ):
+        monkeypatch.setenv(f"COALESCE_{knob}", value)
+    ref = stock(offload)
+    run = run_engine("coalesce", offload, python_rules=rules == "python")
+    assert run.published == ref.published
+    st = run.stats
+    assert st.batches_dropped > 0 and st.loss_markers >= 1, "the budget was passed"
+    assert st.resyncs == st.loss_markers and st.snapshot_exact, "every loss resynced"
+    for name in CONSUMERS:
+        got = getattr(run, name)
+        assert got == dict(run.truth), f"{name} vs the pools: {disagreement(got, run.truth)}"
+        assert got == getattr(ref, name), f"{name} vs stock's stream"
+
+
+@pytest.mark.parametrize("rules", ["C", "python"])
 def test_dynamos_parent_rule_ends_as_on_stock_and_loses_only_cpu_blocks(rules):
     """The reference model's Dynamo rule (``SubscriberModel("dynamo")``: a store is
     dropped unless its parent is held in the same medium).  On vLLM's eager stream a
