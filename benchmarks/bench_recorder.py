@@ -34,7 +34,14 @@ end, with the size of the recorder's C state; then, in a fresh process each,
 the RSS a recorder of ``--blocks`` held blocks adds (the recorded events
 included: 16 tokens a block), and the RSS growth over 100,000 batches that
 cancel out (store and remove of fresh blocks, as refused batches may be)
-with those blocks held, for the C state and for the Python dicts.
+with those blocks held, for the C state and for the Python dicts.  And an
+``AllBlocksCleared`` over 100,000 and ``--blocks`` held blocks: its wall time
+and the longest hold of the GIL it makes (a ticker thread's longest gap; the
+forgotten events are released a slice per later call, not at once).
+
+The workloads: the seed-like ones of bench_compact, and vLLM's own
+scheduler's stream (eager offload) as recorded in
+``tests_dynamo/data/vllm-eager.msgpack.gz``.
 
     .venv/bin/python benchmarks/bench_recorder.py [--seconds 0.4] [--rounds 7] [--blocks N]
 """
@@ -61,9 +68,58 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_compact import alternate, make_batch, seed_batches, workloads
 
 from coalesce import _recorder, compactor
-from coalesce.events import BlockRemoved, BlockStored, KVEventBatch
+from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from coalesce.testing import Encoder, Feed, Recorder
+from coalesce_tools.realstream import load
 from coalesce_tools.results import header, row, run
+
+REAL_STREAM = os.path.join(
+    os.path.dirname(__file__), "..", "tests_dynamo", "data", "vllm-eager.msgpack.gz"
+)
+"""vLLM's own scheduler's stream (eager offload), recorded (coalesce_tools.realstream)."""
+
+
+def real_stream() -> list[Any]:
+    """The recorded stream's batches, decoded into this library's event classes."""
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    return [dec.decode(p) for p in load(REAL_STREAM).payloads]
+
+
+def clear_hold(blocks: int) -> tuple[float, float]:
+    """(wall seconds, longest GIL hold in seconds) of an ``AllBlocksCleared`` recorded
+    over ``blocks`` held blocks: a ticker thread's longest gap while it runs (the
+    cyclic GC off, so that only the clear is seen)."""
+    rec = big_state(blocks)
+    clear = KVEventBatch(ts=0.0, events=[AllBlocksCleared()], data_parallel_rank=0)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    gc.disable()
+    stop, longest = threading.Event(), [0.0]
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            now = time.perf_counter()
+            longest[0] = max(longest[0], now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.02)
+        longest[0] = 0.0
+        t0 = time.perf_counter()
+        rec.record(clear)
+        wall = time.perf_counter() - t0
+        time.sleep(0.02)
+    finally:
+        stop.set()
+        ticker.join()
+        gc.enable()
+        sys.setswitchinterval(switch)
+    assert rec.held == 0 and rec.valid
+    return wall, longest[0]
+
 
 Window = list[Any]
 FEEDS = {"feed, behind": False, "feed, caught up": True}
@@ -270,7 +326,8 @@ def main() -> None:
         *FEEDS,
     )
     gc.collect()
-    for name, windows in workloads(args.window).items():
+    streams = {**workloads(args.window), "vLLM's scheduler (eager)": [real_stream()]}
+    for name, windows in streams.items():
         per = measure(windows, args.seconds, args.rounds)
         raw = per["raw"]
         print(
@@ -340,6 +397,12 @@ def main() -> None:
             _c_mb(big),
         )
         del big
+    print()
+    header("AllBlocksCleared over", "blocks", "wall ms", "longest GIL hold ms")
+    for blocks in (100_000, args.blocks):
+        holds = [clear_hold(blocks) for _ in range(3)]
+        wall, hold = (statistics.median(h[i] for h in holds) for i in range(2))
+        row(f"{blocks:,} blocks", f"{blocks:,}", f"{wall * 1e3:.2f}", f"{hold * 1e3:.2f}")
     print()
     header(
         "memory (a fresh process)",

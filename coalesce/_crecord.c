@@ -141,6 +141,7 @@ typedef struct {
     Vec hb;      /* uint64: the ops' hashes */
     Vec hf;      /* uint8: the ops' hashes' flags (1 interned, 2 absent: skip) */
     Vec dead;    /* PyObject *: events of dropped sources, released under the GIL */
+    Vec grave;   /* Grave: a forgotten state's events, released a slice a call */
     Vec stack;   /* uint32: sources to release (dependencies, iteratively) */
     Vec depbuf;  /* uint32 */
     int oom;
@@ -157,6 +158,18 @@ typedef struct {
 } State;
 
 static PyTypeObject State_Type;
+
+/* An event of a forgotten state (an AllBlocksCleared, a clear()), waiting to be
+ * released: its cost, in objects its release frees (the event, its tokens and
+ * hashes).  Releasing a large state at once would hold the GIL for O(state)
+ * (170 ms for 1M blocks); each call releases at most GRAVE_SLICE of it, or
+ * twice the call's own work, whichever is more, so the graveyard drains at
+ * least as fast as a stream can fill it and no call holds the GIL long for it. */
+typedef struct {
+    PyObject *ev;
+    Py_ssize_t cost;
+} Grave;
+#define GRAVE_SLICE ((Py_ssize_t)1 << 15)
 
 static void publish(State *st) {
     st->pub_held = st->held;
@@ -408,8 +421,23 @@ static int apply_ops(State *st) {
 
 /* Phase 3 (the GIL held): release dropped events, and interned hashes no kept
  * source stores; drop ops not applied (after an error). */
+/* Release the graveyard's events, the last first, until `budget` is spent. */
+static void sweep(State *st, Py_ssize_t budget) {
+    while (st->grave.n > 0 && budget > 0) {
+        Grave g = VEC_AT(&st->grave, Grave, --st->grave.n); /* (taken first: re-entrant) */
+        budget -= g.cost;
+        Py_DECREF(g.ev);
+    }
+    if (st->grave.n == 0) vec_trim(&st->grave);
+}
+
 static void finish(State *st) {
-    for (size_t k = 0; k < st->ops.n; k++) Py_XDECREF(VEC_AT(&st->ops, Op, k).ev);
+    Py_ssize_t work = (Py_ssize_t)st->hb.n;
+    for (size_t k = 0; k < st->ops.n; k++) {
+        Op *op = &VEC_AT(&st->ops, Op, k);
+        work += op->ntok + 1;
+        Py_XDECREF(op->ev);
+    }
     vec_trim(&st->ops);
     vec_trim(&st->hb);
     vec_trim(&st->hf);
@@ -431,16 +459,23 @@ static void finish(State *st) {
     st->dead.n = st->dead.cap = 0;
     for (size_t k = 0; k < nd; k++) Py_XDECREF(dead[k]);
     free(dead);
+    if (st->grave.n > 0) sweep(st, GRAVE_SLICE > 2 * work ? GRAVE_SLICE : 2 * work);
 }
 
-/* Forget everything (the GIL held). */
-static void forget(State *st) {
+/* Move the sources' events to the graveyard and free the sources and the
+ * table.  No Python API when `room` (the graveyard has room for every source):
+ * then it may run without the GIL. */
+static void forget_sources(State *st, int room) {
     for (uint32_t i = 0; i < st->nsrc_cap; i++) {
         Src *s = &st->src[i];
         if (s->ev == NULL) continue;
-        PyObject **d = (PyObject **)vec_push(&st->dead);
-        if (d != NULL) *d = s->ev;
-        else Py_DECREF(s->ev); /* (OOM: released now) */
+        Grave *g = (Grave *)vec_push(&st->grave);
+        if (g != NULL) {
+            g->ev = s->ev;
+            g->cost = 1 + s->ntok + (Py_ssize_t)s->size;
+        } else if (!room) {
+            Py_DECREF(s->ev); /* (OOM: released now) */
+        }
         s->ev = NULL;
         if (s->size > 1) free(s->hs);
         if (s->ndeps > 1) free(s->deps);
@@ -452,14 +487,63 @@ static void forget(State *st) {
     st->free_head = st->head = st->tail = NIL;
     st->nsources = 0;
     tab_free(&st->keys);
+}
+
+/* Forget everything (the GIL held; released while a large state's C memory is
+ * freed).  The events and the interned hashes go to the graveyard. */
+static void forget(State *st) {
+    size_t want = st->grave.n + st->nsources;
+    int room = want <= st->grave.cap;
+    if (!room) {
+        Grave *p = (Grave *)realloc(st->grave.p, want * sizeof(Grave));
+        if (p != NULL) {
+            st->grave.p = (char *)p;
+            st->grave.cap = want;
+            room = 1;
+        }
+    }
+    if (room && (st->nsrc_cap >= (1u << 12) || st->keys.cap >= (1u << 13))) {
+        st->busy = 1;
+        g_cs->gil_releases++;
+        Py_BEGIN_ALLOW_THREADS
+        forget_sources(st, 1);
+        Py_END_ALLOW_THREADS
+        st->busy = 0;
+    } else {
+        forget_sources(st, room);
+    }
     st->held = st->counts = st->kept = 0;
     for (uint32_t i = 0; i < st->nscopes; i++) Py_CLEAR(st->scopes[i]);
     st->nscopes = 0;
     for (int k = 0; k < NCACHE; k++) cache_clear(&st->cache[k]);
     if (st->scope_ids) PyDict_Clear(st->scope_ids);
-    for (uint32_t i = 0; i < st->niobj; i++) Py_CLEAR(st->iobj[i]);
+    for (uint32_t i = 0; i < st->niobj; i++) {
+        PyObject *o = st->iobj[i];
+        if (o == NULL) continue;
+        st->iobj[i] = NULL;
+        Grave *g = (Grave *)vec_push(&st->grave);
+        if (g != NULL) {
+            g->ev = o;
+            g->cost = 1;
+        } else {
+            Py_DECREF(o);
+        }
+    }
     st->niobj = 0;
-    if (st->intern_ids) PyDict_Clear(st->intern_ids);
+    if (st->intern_ids != NULL && PyDict_GET_SIZE(st->intern_ids) > 0) {
+        /* a large dict is not cleared here: it goes to the graveyard whole */
+        PyObject *fresh = PyDict_New();
+        Grave *g = fresh == NULL ? NULL : (Grave *)vec_push(&st->grave);
+        if (g != NULL) {
+            g->ev = st->intern_ids;
+            g->cost = 2 * PyDict_GET_SIZE(st->intern_ids);
+            st->intern_ids = fresh;
+        } else {
+            Py_XDECREF(fresh);
+            PyErr_Clear();
+            PyDict_Clear(st->intern_ids);
+        }
+    }
     vec_free(&st->ifree);
     st->izero.n = 0;
     st->gen++;
@@ -937,6 +1021,13 @@ static PyObject *State_clear(State *st, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *State_sweep(State *st, PyObject *arg) {
+    Py_ssize_t budget = PyLong_AsSsize_t(arg);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    sweep(st, budget < 0 ? PY_SSIZE_T_MAX : budget);
+    return PyLong_FromSize_t(st->grave.n);
+}
+
 /* A key's hash as the Python object (a new reference). */
 static PyObject *key_object(State *st, uint64_t h, uint32_t sk) {
     if (sk & IFLAG) return Py_NewRef(st->iobj[(uint32_t)h]);
@@ -1026,6 +1117,9 @@ static PyObject *State_events(State *st, void *closure) {
 static PyObject *State_held(State *st, void *closure) { return PyLong_FromLongLong(st->pub_held); }
 static PyObject *State_counts(State *st, void *closure) {
     return PyLong_FromLongLong(st->pub_counts);
+}
+static PyObject *State_graveyard(State *st, void *closure) {
+    return PyLong_FromSize_t(st->grave.n);
 }
 static PyObject *State_kept(State *st, void *closure) { return PyLong_FromLongLong(st->pub_kept); }
 static PyObject *State_sources(State *st, void *closure) {
@@ -1475,6 +1569,8 @@ static void state_init_fields(State *st) {
     st->hb = u64;
     st->hf = u8;
     st->dead = ptr;
+    Vec grave = {NULL, 0, 0, sizeof(Grave)};
+    st->grave = grave;
     st->oom = st->busy = 0;
     st->gen = 0;
     st->stopped = 0;
@@ -1501,6 +1597,7 @@ static PyObject *State_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void State_dealloc(State *st) {
     forget(st);
+    sweep(st, PY_SSIZE_T_MAX);
     free(st->scopes);
     free(st->iobj);
     free(st->iref);
@@ -1510,6 +1607,7 @@ static void State_dealloc(State *st) {
     vec_free(&st->hb);
     vec_free(&st->hf);
     vec_free(&st->dead);
+    vec_free(&st->grave);
     vec_free(&st->stack);
     vec_free(&st->depbuf);
     Py_XDECREF(st->scope_ids);
@@ -1523,7 +1621,11 @@ static PyMethodDef State_methods[] = {
      record_batch_doc},
     {"record_batches", (PyCFunction)(void (*)(void))State_record_batches, METH_FASTCALL,
      record_batches_doc},
-    {"clear", (PyCFunction)State_clear, METH_NOARGS, "clear() -> None: forget everything."},
+    {"clear", (PyCFunction)State_clear, METH_NOARGS,
+     "clear() -> None: forget everything (its events released a slice a later call)."},
+    {"sweep", (PyCFunction)State_sweep, METH_O,
+     "sweep(budget) -> int: release forgotten events until budget objects (-1: all);\n"
+     "the events left to release."},
     {"export", (PyCFunction)State_export, METH_NOARGS, export_doc},
     {"walk", (PyCFunction)State_walk, METH_VARARGS, walk_doc},
     {NULL, NULL, 0, NULL},
@@ -1539,6 +1641,7 @@ static PyGetSetDef State_getset[] = {
     {"kept", (getter)State_kept, NULL, "the kept sources' hashes", NULL},
     {"sources", (getter)State_sources, NULL, "kept sources", NULL},
     {"nbytes", (getter)State_nbytes, NULL, "bytes of C memory (table, sources)", NULL},
+    {"graveyard", (getter)State_graveyard, NULL, "forgotten events not yet released", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -13,6 +13,7 @@ held, a walk that sees the state change, the GIL released for big batches.
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 from typing import Any
 
@@ -325,6 +326,42 @@ def test_big_batches_are_applied_with_the_gil_released_and_small_ones_are_not():
     rec.record(_cancelling(2, 8192, "u64"))
     assert _crecord.gil_releases() == before + 1
     assert rec.held == 0 and rec.valid
+
+
+@pytest.mark.parametrize("kind", ["u64", "bytes"])
+def test_a_clear_of_a_big_state_releases_it_a_slice_a_call(kind):
+    """An AllBlocksCleared forgets the state at once, but its events (and interned
+    hashes) go to a graveyard released a bounded slice per later call (the GIL is
+    not held for O(state) at once); a call's slice is at least twice its own work,
+    so the graveyard drains as the stream goes on, and a dropped recorder releases
+    what is left."""
+    rec = Recorder(10**7, accelerated=True)
+    for i in range(1000):  # 1,000 sources of 64 blocks and 64 tokens: ~130k objects
+        rec.record(_kept(10**6 + i, kind))
+    moved = 1000 + (64 * 1000 + 1 if kind == "bytes" else 0)  # events, interned hashes, dict
+    probe = rec._cs.export()[1][0][0]  # the first kept store event
+    refs = sys.getrefcount(probe)
+    rec.record(KVEventBatch(ts=0.0, events=[AllBlocksCleared()], data_parallel_rank=0))
+    assert rec.held == 0 and rec.valid and rec._cs.sources == 0, "forgotten at once"
+    left = [rec._cs.graveyard]
+    assert 0 < left[0] < moved, "released a slice, not the whole"
+    for i in range(moved):  # small batches: each releases a slice
+        if not rec._cs.graveyard:
+            break
+        rec.record(_cancelling(i, 1, "u64"))
+        left.append(rec._cs.graveyard)
+    assert left[-1] == 0 and all(a > b for a, b in itertools.pairwise(left))
+    gc.collect()
+    now = sys.getrefcount(probe)
+    assert now == refs - 1, "every forgotten event is released"
+    again = Recorder(10**7, accelerated=True)
+    for i in range(400):
+        again.record(_kept(10**6 + i, kind))
+    again._cs.clear()
+    assert again._cs.graveyard > 0
+    assert again._cs.sweep(-1) == 0
+    again._cs.clear()
+    del again  # (a graveyard left at the end is released with the state)
 
 
 def test_the_layout_check_covers_the_recorder():
