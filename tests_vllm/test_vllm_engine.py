@@ -244,6 +244,91 @@ def test_a_forced_loss_on_vllms_scheduler_collapses_into_the_pools_truth(
         assert got == getattr(ref, name), f"{name} vs stock's stream"
 
 
+@pytest.mark.parametrize("loss_marker", ["gap", "resync"])
+def test_a_forced_loss_with_snapshots_on_and_llmd_routers_snapshot_subscriber(
+    loss_marker, monkeypatch
+):
+    """The same overload with snapshots on (vLLM PR #57789's protocol), read by
+    ``coalesce.subscriber`` and by a consumer following llm-d-router's snapshot
+    subscriber (its PR #2946: ``tests/snapshot_rules.py``), which fails on a store
+    whose parent it does not hold and starts over from a snapshot on any failure or
+    seq gap, and applies an ``AllBlocksCleared`` to the GPU tier only.
+
+    vLLM's own stream suits that strict reader (every store's parent is held, tier
+    by tier as the pools say); so do the snapshots.  With ``loss_marker=gap`` both
+    consumers end with exactly what the pools hold.  With ``resync`` (no gap)
+    ``coalesce.subscriber`` does, and the PR's consumer, which never starts over,
+    keeps the GPU exact but not the CPU tier: the marker's clear does not reach it,
+    so it keeps CPU blocks evicted during the loss and counts twice the ones the
+    resync stores again (use ``gap`` for that consumer)."""
+    from tests.snapshot_rules import SnapshotRulesConsumer
+
+    snap = inproc("snapshot")
+    for knob, value in (
+        ("MAX_PENDING_EVENTS", "1500"),
+        ("STALL_TIMEOUT", "0"),
+        ("LOSS_MARKER", loss_marker),
+        ("SNAPSHOT_ENDPOINT", snap),
+    ):
+        monkeypatch.setenv(f"COALESCE_{knob}", value)
+    cfg = EngineConfig(**{**CONFIG.as_dict(), "offload": "eager"})
+    ep = inproc("snap-engine")
+    with use_publisher("coalesce"):
+        eng = VllmEngine(cfg, ep, topic="kv@127.0.0.1:5557@model")
+    pr = SnapshotRulesConsumer(ep, snap)
+    sub = Subscriber(ep, mode="refcount", snapshot_endpoints=snap, rcvhwm=0)
+    try:
+
+        def joined() -> bool:
+            eng.step()
+            pr.poll(0.01)
+            sub.poll(0.01)
+            return pr.index is not None and sub.sources[0].last_seq is not None
+
+        wait_for(joined, what="both consumers to bootstrap from a snapshot")
+        while eng.busy() and eng.added < cfg.requests * 0.4:  # both tiers fill up
+            eng.step()
+        assert eng.publisher.flush(30)
+        with held(eng.publisher):  # then the overload
+            while eng.busy() and eng.added < cfg.requests * HOLD_FOR:
+                eng.step()
+        eng.run()
+        assert eng.publisher.flush(30)
+        st = eng.publisher.stats()
+        last = st.messages_sent + st.seq_gaps - 1
+
+        def caught_up() -> bool:  # (>=: an idle heartbeat may take a seq after the flush)
+            pr.poll(0.01)
+            sub.poll(0.01)
+            seq = sub.sources[0].last_seq
+            return (pr.last_seq or -1) >= last and seq is not None and seq >= last
+
+        wait_for(caught_up, timeout=30, what="the consumers to reach the last message")
+        truth = dict(eng.truth())
+    finally:
+        eng.shutdown()
+        pr.close()
+        sub.close()
+    assert st.batches_dropped > 0
+    assert st.seq_gaps >= 1 if loss_marker == "gap" else st.loss_markers == st.resyncs >= 1
+    src = sub.sources[0]
+    assert src.index.state() == truth, disagreement(src.index.state(), truth)
+    assert src.resets == 0
+    want = {(str(m).lower(), g, h): n for (m, g, h), n in truth.items()}
+    got = pr.state()
+    assert got is not None, "the PR's consumer has an installed index"
+    if loss_marker == "gap":
+        assert pr.failures and all("live sequence gap" in f for f in pr.failures), pr.failures
+        assert got == want, disagreement(got, want)
+        return
+    assert pr.failures == [], "no gap: it never starts over"
+    by_tier = {t: {k: n for k, n in got.items() if k[0] == t} for t in ("gpu", "cpu")}
+    assert by_tier["gpu"] == {k: n for k, n in want.items() if k[0] == "gpu"}
+    cpu_want = {k: n for k, n in want.items() if k[0] == "cpu"}
+    assert set(cpu_want) <= set(by_tier["cpu"]), "it misses no CPU block"
+    assert by_tier["cpu"] != cpu_want, "but the CPU tier is not the pool's"
+
+
 @pytest.mark.parametrize("rules", ["C", "python"])
 def test_dynamos_parent_rule_ends_as_on_stock_and_loses_only_cpu_blocks(rules):
     """The reference model's Dynamo rule (``SubscriberModel("dynamo")``: a store is
