@@ -191,7 +191,9 @@ class Settings:
     then the state the publisher's recorder holds, sent in-band before any later
     batch, so every consumer ends exact (it runs the snapshot recorder, with or
     without ``snapshot_endpoint``); ``gap``: it skips a seq, which consumers with
-    replay treat as they each do (docs/subscribers.md)."""
+    replay treat as they each do, and which makes llm-d-router's snapshot reader
+    (its PR #2946) start over from a snapshot: with snapshots on, the marker for
+    that reader (docs/subscribers.md)."""
     stall_timeout: float = _knob(1.0, _seconds)
     """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
     sender takes nothing from it before publish() refuses batches on that count; 0

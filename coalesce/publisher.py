@@ -76,6 +76,7 @@ def _log_start(
     snapshot: str | None,
     pid: bytes | None,
     identity: Identity,
+    loss_marker: LossMarker,
 ) -> None:
     """Say once where this publisher is and which compaction rules it runs, and warn
     about vLLM's connect rule (``bind``: as the endpoint was given; a bound
@@ -107,6 +108,15 @@ def _log_start(
             else "llm-d-router reads the first 8 bytes, and the PR's newest example "
             "subscriber, which wants 8, rejects every message (snapshot_identity=batch)",
         )
+        if loss_marker is not LossMarker.GAP:
+            log.warning(
+                "kv-coalesce: with snapshots on and loss_marker=%s, a loss leaves the CPU "
+                "tier of llm-d-router's snapshot subscriber (its PR #2946) wrong: it starts "
+                "over from a snapshot only on a seq gap, and applies an AllBlocksCleared to "
+                "the GPU tier only; loss_marker=gap heals it and coalesce.subscriber, and "
+                "blacks llm-d-router main out for its 30 s replay cooldown (docs/subscribers.md)",
+                loss_marker.value,
+            )
     log.info(
         "kv-coalesce: compaction rules run in %s",
         "C (the optional accelerator)"
@@ -237,7 +247,15 @@ class CoalescingPublisher:
         snap_sock = socks.snapshot
         self._socks = socks
         self.snapshot_endpoint = snap_ep
-        _log_start(pub_ep, binds, replay_ep, snap_ep, self.publisher_id, st.snapshot_identity)
+        _log_start(
+            pub_ep,
+            binds,
+            replay_ep,
+            snap_ep,
+            self.publisher_id,
+            st.snapshot_identity,
+            st.loss_marker,
+        )
         self.config = PublisherConfig(
             endpoint=pub_ep,
             replay_endpoint=replay_ep,

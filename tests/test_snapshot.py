@@ -498,6 +498,26 @@ def test_snapshot_plus_suffix_is_the_truth_whatever_is_lost(batches, data):
             assert src.index.state() == truth(published)
 
 
+@pytest.mark.parametrize("loss_marker", ["clear", "resync", "gap"])
+def test_snapshots_with_a_marker_that_is_no_gap_warn_of_llmd_routers_snapshot_reader(
+    caplog, loss_marker
+):
+    """llm-d-router's snapshot subscriber (its PR #2946) heals only on a seq gap and
+    clears only the GPU tier on an AllBlocksCleared (tests_vllm: the case run)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="coalesce"):
+        p = CoalescingPublisher(
+            endpoint=inproc("pub"), snapshot_endpoint=inproc("snap"), loss_marker=loss_marker
+        )
+        p.shutdown()
+    said = [r.getMessage() for r in caplog.records if "PR #2946" in r.getMessage()]
+    said = [m for m in said if "seq gap" in m]
+    assert len(said) == (0 if loss_marker == "gap" else 1)
+    if said:
+        assert f"loss_marker={loss_marker}" in said[0] and "loss_marker=gap heals" in said[0]
+
+
 @pytest.mark.parametrize("snapshots", [False, "batch", "seq"])
 def test_turning_snapshots_on_warns_once_of_the_consumers_that_cannot_read_them(caplog, snapshots):
     import logging
