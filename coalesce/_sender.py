@@ -126,6 +126,7 @@ class Sender:
                 backlog, feed, stream, encoder, rank, settings, self.totals, self.limited
             )
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
+        self._payloads: list[Any] = []  # what this step's batches went out as (None: not)
 
         # shared with the facade
         self.done = 0
@@ -304,8 +305,9 @@ class Sender:
     # -- the send path ---------------------------------------------------------------
 
     def _send(self, taken: list[Any], how: How) -> None:
-        """Send what a step took, ``how`` it says; the feed sees what went out; then
-        finish with it.  O(events + block hashes)."""
+        """Send what a step took, ``how`` it says; the feed sees what went out (and
+        the bytes each went out as); then finish with it.  O(events + block hashes)."""
+        self._payloads = []
         if how is How.AS_GIVEN:
             sent = self._as_given(taken)
         elif how is How.PARTS:
@@ -317,15 +319,18 @@ class Sender:
                 sent = self._as_given(taken)
             else:
                 sent = self._compacted(taken, fold_only=how is not How.RULES, timed=True)
-        self._finish(len(taken), sent, compacted=how is not How.AS_GIVEN)
+        self._finish(len(taken), sent, compacted=how is not How.AS_GIVEN, payloads=self._payloads)
 
-    def _finish(self, batches: int, sent: list[Any], compacted: bool) -> None:
-        """The feed sees ``sent`` (``compacted``: the rules' or the fold's output); once
+    def _finish(
+        self, batches: int, sent: list[Any], compacted: bool, payloads: list[Any] | None = None
+    ) -> None:
+        """The feed sees ``sent`` (``compacted``: the rules' or the fold's output;
+        ``payloads``: what each was encoded into, None where it was not); once
         nothing waits to be sent, it has seen all of it, before ``done`` counts the
         ``batches`` taken."""
         feed = self.feed
         if feed is not None:
-            feed.record(sent, compacted)
+            feed.record(sent, compacted, payloads)
             if not len(self._backlog):
                 feed.settle()
         self.done += batches
@@ -334,13 +339,16 @@ class Sender:
     def _as_given(self, batches: list[Any]) -> list[Any]:
         """Each batch encoded as it is and sent; one the encoder rejects is lost,
         visibly."""
+        kept = self._payloads
         for batch in batches:
             try:
                 payload = self._encoder.encode(batch)
             except Exception as exc:
                 self._encode_failed(exc)
+                kept.append(None)
                 continue
             self._stream.emit(payload, event_count(batch))
+            kept.append(payload)
         return batches
 
     def _compacted(self, window: list[Any], fold_only: bool, timed: bool = False) -> list[Any]:
@@ -363,6 +371,7 @@ class Sender:
             self.pacing.rules_cost.record(cost)
         for batch, payload in zip(out, payloads, strict=True):
             self._stream.emit(payload, event_count(batch))
+        self._payloads += payloads
         self.totals.add_pass(rep, fold_only=fold_only)
         return out
 

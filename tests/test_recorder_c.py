@@ -182,6 +182,102 @@ def test_a_list_of_batches_in_one_call_is_each_batch_recorded(batches, max_block
         assert (c.batches, c.events, c.invalidations) == (py.batches, py.events, py.invalidations)
 
 
+U64 = [0, 1, 2, 7, 200, 2**16 + 3, 2**40 + 5, 2**63 + 5, 2**64 - 1]
+"""Hashes the payload path reads (ints in [0, 2**64), each msgpack int width)."""
+
+
+def _payload(b: Any) -> bytes | None:
+    try:
+        return msgspec.msgpack.encode(b)
+    except Exception:  # (a hash past 2**64: the sender sends nothing, records objects)
+        return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    streams(odd=True),
+    st.sampled_from([10_000, 6]),
+    st.booleans(),
+    st.sampled_from([0, 10**9]),
+    st.data(),
+)
+def test_batches_read_from_their_payloads_are_each_batch_recorded(
+    batches, max_blocks, u64, nogil_from, data
+):
+    """record_many with the payloads the batches were encoded into (read without the
+    GIL, or with it): the same state, counters and program as record() on the
+    objects, whatever it declines (other hash kinds, new scopes, other classes,
+    moves, clears, a batch with no payload), and a budget that may be passed."""
+    if u64:  # mostly hashes it reads, so that most batches go through the payloads
+        for b in batches:
+            for ev in b.events:
+                hs = getattr(ev, "block_hashes", None)
+                if hs:
+                    hs[:] = [U64[hash(repr(h)) % len(U64)] for h in hs]
+    c = Recorder(max_blocks, accelerated=True)
+    py = Recorder(max_blocks, accelerated=False)
+    was = _crecord.set_payload_nogil_from(nogil_from)
+    try:
+        i = 0
+        while i < len(batches):
+            n = data.draw(st.integers(1, 5), label="list")
+            part = batches[i : i + n]
+            payloads = [_payload(b) for b in part]
+            c.record_many(part, payloads)
+            for b in part:
+                py.record(b)
+            i += n
+            c.check()
+            _same(c, py, batches)
+            assert (c.batches, c.events, c.invalidations) == (
+                py.batches,
+                py.events,
+                py.invalidations,
+            )
+    finally:
+        _crecord.set_payload_nogil_from(was)
+
+
+def test_a_stream_of_u64_stores_and_removals_is_read_from_its_payloads():
+    rec = Recorder(10**6, accelerated=True)
+    py = Recorder(10**6, accelerated=False)
+    batches = [_cancelling(i, 4, "u64") for i in range(50)] + [_kept(i, "u64") for i in range(50)]
+    payloads = [msgspec.msgpack.encode(b) for b in batches]
+    before = _crecord.gil_releases()
+    rec.record_many(batches, payloads)
+    for b in batches:
+        py.record(b)
+    # every batch but the first, whose store uses a scope no store had used yet
+    assert rec._cs.payload_batches == len(batches) - 1, "read from their payloads"
+    assert _crecord.gil_releases() == before + 1, "one release of the GIL for the call"
+    _same(rec, py, batches)
+
+
+def test_a_payload_that_is_not_its_batchs_is_declined_and_the_objects_recorded():
+    rec = Recorder(10**6, accelerated=True)
+    py = Recorder(10**6, accelerated=False)
+    a, b = _kept(1, "u64"), _kept(2, "u64")
+    rec.record_many([a, b], [msgspec.msgpack.encode(b), b"\x93\x00\x91"])
+    py.record(a)
+    py.record(b)
+    assert rec._cs.payload_batches == 0
+    _same(rec, py, [a, b])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.data())
+def test_any_bytes_as_a_payload_never_crash_the_reader(junk, data):
+    """Truncated, mutated or random bytes: the reader stops at the end (ASan in
+    make check-c), declining or reading what parses."""
+    rec = Recorder(10**6, accelerated=True)
+    rec.record(_kept(1, "u64"))  # a scope known
+    good = msgspec.msgpack.encode(_cancelling(2, 3, "u64"))
+    cut = data.draw(st.integers(0, len(good)), label="cut")
+    for payload in (junk, good[:cut], good[:cut] + junk):
+        rec._cs.record_payloads([_cancelling(2, 3, "u64")], [payload], 0, 10**6)
+    rec.check()
+
+
 def test_a_removal_of_a_scope_interned_later_in_the_same_call_is_applied():
     def store(group: Any) -> BlockStored:
         return BlockStored(
