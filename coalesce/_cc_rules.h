@@ -115,7 +115,18 @@ typedef struct {
     int32_t n;           /* members */
     int32_t tail;        /* a chain's last hash id */
     char chain_ok;
+    char sure; /* a chain every model accepts: its first parent is certainly held */
 } Group;
+
+/* A store under `parent` (a hash id, -1 for none) in medium and group `mg` is
+ * accepted by every model from every state: no parent, or a certain store of
+ * the parent's key later than every removal of it (coalesce._rules._sure_parent). */
+static inline int sure_parent(const Window *w, int32_t parent, int32_t mg, const int32_t *key_sure,
+                              const int32_t *key_rem) {
+    if (parent < 0) return 1;
+    Py_ssize_t kid = KID(w, parent, mg);
+    return key_sure[kid] > key_rem[kid];
+}
 
 static inline int32_t max32(int32_t a, int32_t b) { return a > b ? a : b; }
 
@@ -150,10 +161,12 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
     int32_t *hash_any = (int32_t *)buf_get(&st->bufs.g_hash_any, (size_t)U * sizeof(int32_t));
     int32_t *parent_of = (int32_t *)buf_get(&st->bufs.g_parent_of, (size_t)U * sizeof(int32_t));
     char *removed = (char *)buf_get(&st->bufs.removed, (size_t)U);
+    int32_t *key_rem = (int32_t *)buf_get(&st->bufs.key_rem, (size_t)NK * sizeof(int32_t));
+    int32_t *key_sure = (int32_t *)buf_get(&st->bufs.key_sure, (size_t)NK * sizeof(int32_t));
     Group *groups = (Group *)buf_get(&st->bufs.g_groups, (size_t)(nin ? nin : 1) * sizeof(Group));
     int32_t *next_item = (int32_t *)buf_get(&st->bufs.g_next, (size_t)(nin ? nin : 1) * sizeof(int32_t));
-    if (!key_any || !key_store || !chain_end || !hash_any || !parent_of || !removed || !groups ||
-        !next_item)
+    if (!key_any || !key_store || !chain_end || !hash_any || !parent_of || !removed || !key_rem ||
+        !key_sure || !groups || !next_item)
         return -1;
     memset(key_any, 0xff, (size_t)NK * sizeof(int32_t));
     memset(key_store, 0xff, (size_t)NK * sizeof(int32_t));
@@ -161,6 +174,8 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
     memset(hash_any, 0xff, (size_t)U * sizeof(int32_t));
     memset(parent_of, 0xff, (size_t)U * sizeof(int32_t));
     memset(removed, 0, (size_t)U);
+    memset(key_rem, 0xff, (size_t)NK * sizeof(int32_t));
+    memset(key_sure, 0xff, (size_t)NK * sizeof(int32_t));
     int32_t last_removal[MAX_DESCS];
     int32_t desc_base[MAX_DESCS];
     int ndescs = 0;
@@ -205,6 +220,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
                 for (int32_t p = g.start; p < g.end; p++) {
                     Py_ssize_t kid = KID(w, gh[p], s->mg);
                     key_any[kid] = max32(key_any[kid], j);
+                    key_rem[kid] = max32(key_rem[kid], j);
                     hash_any[gh[p]] = max32(hash_any[gh[p]], j);
                     removed[gh[p]] = 1;
                 }
@@ -230,12 +246,16 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             group_join(groups, next_item, j, i);
         } else {
             j = group_start(groups, &ng, i);
-            groups[j].chain_ok = (char)(s->splittable && !(s->parent >= 0 && removed[s->parent]));
+            int sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
+            groups[j].sure = (char)sure;
+            groups[j].chain_ok =
+                (char)(s->splittable && (sure || !(s->parent >= 0 && removed[s->parent])));
         }
         for (int32_t p = g.start; p < g.end; p++) {
             Py_ssize_t kid = KID(w, hids[p], s->mg);
             key_any[kid] = max32(key_any[kid], j);
             key_store[kid] = max32(key_store[kid], j);
+            if (groups[j].sure) key_sure[kid] = j; /* j > key_any[kid] before this store */
             hash_any[hids[p]] = max32(hash_any[hids[p]], j);
         }
         if (s->parent >= 0) parent_of[s->parent] = max32(parent_of[s->parent], j);
@@ -397,14 +417,30 @@ static int rule_sink(Window *w, const Item *in, Py_ssize_t nin, const SegVec *in
 
 /* ---- rule 6: chains ------------------------------------------------------- */
 
+/* Marks every block of item `it` (a store's, or a chain's of rule 5a) as certainly
+ * stored at position `i`. */
+static inline void mark_sure(const Window *w, const Item *it, const Seg *gs, int32_t *key_sure,
+                             int32_t i) {
+    int32_t mg = w->src[it->base].mg;
+    for (Py_ssize_t q = 0; q < it->nseg; q++) {
+        const int32_t *hids = w->hids + w->src[gs[q].src].h0;
+        for (int32_t p = gs[q].start; p < gs[q].end; p++) key_sure[KID(w, hids[p], mg)] = i;
+    }
+}
+
 static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *insegs, Item *out,
                       Py_ssize_t *nout, SegVec *outsegs, long *merged) {
+    Py_ssize_t NK = (Py_ssize_t)w->nids * w->nmg;
     char *removed = (char *)buf_get(&w->st->bufs.removed, (size_t)w->nids);
-    if (removed == NULL) return -1;
+    int32_t *key_rem = (int32_t *)buf_get(&w->st->bufs.key_rem, (size_t)NK * sizeof(int32_t));
+    int32_t *key_sure = (int32_t *)buf_get(&w->st->bufs.key_sure, (size_t)NK * sizeof(int32_t));
+    if (removed == NULL || key_rem == NULL || key_sure == NULL) return -1;
     memset(removed, 0, (size_t)w->nids);
+    memset(key_rem, 0xff, (size_t)NK * sizeof(int32_t));
+    memset(key_sure, 0xff, (size_t)NK * sizeof(int32_t));
     Py_ssize_t m = 0;
     Item *chain = NULL; /* the item being built in out[] */
-    int chain_ok = 0;
+    int chain_ok = 0, chain_sure = 0;
     int32_t last = -1; /* the chain's last hash id */
     const Src *first = NULL;
     for (Py_ssize_t i = 0; i < nin; i++) {
@@ -424,13 +460,16 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
                 chain->changed = 1;
                 last = tail;
                 (*merged)++;
+                if (chain_sure) mark_sure(w, it, gs, key_sure, (int32_t)i);
                 continue;
             }
             chain = &out[m++];
             if (!put_item(chain, it, gs, it->nseg, outsegs)) return -1;
             first = s;
             last = tail;
-            chain_ok = s->splittable && !(s->parent >= 0 && removed[s->parent]);
+            chain_sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
+            chain_ok = s->splittable && (chain_sure || !(s->parent >= 0 && removed[s->parent]));
+            if (chain_sure) mark_sure(w, it, gs, key_sure, (int32_t)i);
             continue;
         }
         chain = NULL;
@@ -438,7 +477,10 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
         for (Py_ssize_t q = 0; q < it->nseg; q++) {
             Seg g = insegs->v[it->seg0 + q];
             const int32_t *hids = w->hids + w->src[g.src].h0;
-            for (int32_t p = g.start; p < g.end; p++) removed[hids[p]] = 1;
+            for (int32_t p = g.start; p < g.end; p++) {
+                removed[hids[p]] = 1;
+                key_rem[KID(w, hids[p], s->mg)] = (int32_t)i;
+            }
         }
     }
     *nout = m;

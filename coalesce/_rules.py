@@ -300,13 +300,14 @@ class _Gathered:
     into it (``removals``), or a chain of stores (``chain``), or an event kept
     as it is (a ``BlockMoved``: a barrier)."""
 
-    __slots__ = ("chain", "chain_ok", "ev", "removals")
+    __slots__ = ("chain", "chain_ok", "ev", "removals", "sure")
 
     def __init__(self, ev: Any) -> None:
         self.ev = ev
         self.removals: list[Any] | None = None
         self.chain: _Chain | None = None
         self.chain_ok = False
+        self.sure = False  # a chain every model accepts (its first parent is certainly held)
 
     def build(self, counts: Counter[str]) -> Any:
         if self.chain is not None:
@@ -319,6 +320,15 @@ class _Gathered:
                 hashes.extend(r.block_hashes)
             return msgspec.structs.replace(self.ev, block_hashes=hashes)
         return self.ev
+
+
+def _sure_parent(
+    parent: Any, key: tuple[Any, Any, Any], sure_at: dict[Any, int], removed_at: dict[Any, int]
+) -> bool:
+    """True when a store under ``parent`` (``key``: the parent in the store's own
+    medium and group) is accepted by every model from every state: no parent, or
+    a certain store of ``key`` later than every removal of it.  O(1)."""
+    return parent is None or sure_at.get(key, -1) > removed_at.get(key, -1)
 
 
 def _latest(positions: dict[Any, int], keys: Iterable[Any]) -> int:
@@ -347,6 +357,8 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
     hash_any: dict[Any, int] = {}  # hash -> latest position holding it (any medium)
     parent_of: dict[Any, int] = {}  # hash -> latest store naming it as a parent
     removed: set[Any] = set()  # hashes removed so far (a chain start's condition)
+    removed_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest position removing it
+    sure_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest certain store of it
     last_removal: dict[Hashable, int] = {}  # removal class and fields -> latest position
     chain_end: dict[tuple[Any, Any, Any], int] = {}  # key of a chain's last block -> position
     floor = -1  # the latest barrier
@@ -370,6 +382,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
                 last_removal[gkey] = j
             for k in keys:
                 key_any[k] = max(key_any.get(k, -1), j)
+                removed_at[k] = max(removed_at.get(k, -1), j)
             for h in ev.block_hashes:
                 hash_any[h] = max(hash_any.get(h, -1), j)
             removed.update(ev.block_hashes)
@@ -387,15 +400,19 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
                 and chain.accepts(ev)
             ):
                 chain.add(ev)
+                sure = out[j].sure  # stored when the chain is, under its first parent
             else:
                 j = len(out)
                 g = _Gathered(ev)
                 g.chain = _Chain(ev)
-                g.chain_ok = _splittable(ev) and parent not in removed
+                sure = g.sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
+                g.chain_ok = _splittable(ev) and (sure or parent not in removed)
                 out.append(g)
             for k in keys:
                 key_any[k] = max(key_any.get(k, -1), j)
                 key_store[k] = max(key_store.get(k, -1), j)
+                if sure:
+                    sure_at[k] = j  # j > key_any[k]: later than every position touching k
             for h in ev.block_hashes:
                 hash_any[h] = max(hash_any.get(h, -1), j)
             if parent is not None:
@@ -405,6 +422,9 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
             floor = len(out)
             out.append(_Gathered(ev))
             removed.update(ev.block_hashes)
+            group = _group(ev)
+            for h in ev.block_hashes:  # its removal half (its store is never counted certain)
+                removed_at[(ev.from_medium, group, h)] = floor
     return [g.build(counts) for g in out]
 
 
@@ -468,29 +488,44 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
     """Rule 6, one forward pass.  O(events + hashes).
 
     A chain is only started when its parent's hash was not removed earlier in
-    the window: see "chain" in docs/event-semantics.md for why that is the one
-    condition a parent-checking subscriber needs.
+    the window, or when its parent is certainly held in the chain's own medium
+    and group (a certain store of it later than every removal of it): see
+    "chain" in docs/event-semantics.md for why a parent-checking subscriber
+    needs one or the other.
     """
     out: list[Any] = []
     removed: set[Any] = set()
+    removed_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest removal of it
+    sure_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest certain store of it
     chain: _Chain | None = None
-    chain_ok = False
-    for ev in events:
-        if event_kind(ev) == STORED:
+    chain_ok = chain_sure = False
+    for i, ev in enumerate(events):
+        kind = event_kind(ev)
+        if kind == STORED:
+            medium, group = ev.medium, _group(ev)
             if chain is not None and chain_ok and chain.accepts(ev):
                 chain.add(ev)
                 counts["merged"] += 1
-                continue
-            if chain is not None:
-                out.append(chain.build())
-            chain = _Chain(ev)
-            chain_ok = _splittable(ev) and ev.parent_block_hash not in removed
+            else:
+                if chain is not None:
+                    out.append(chain.build())
+                chain = _Chain(ev)
+                parent = ev.parent_block_hash
+                chain_sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
+                chain_ok = _splittable(ev) and (chain_sure or parent not in removed)
+            if chain_sure:  # a chain's blocks are stored iff its first parent is held
+                for h in ev.block_hashes:
+                    sure_at[(medium, group, h)] = i
             continue
         if chain is not None:
             out.append(chain.build())
             chain = None
         out.append(ev)
         removed.update(ev.block_hashes)  # a removal or a BlockMoved
+        medium = ev.medium if kind == REMOVED else ev.from_medium
+        group = _group(ev)
+        for h in ev.block_hashes:
+            removed_at[(medium, group, h)] = i
     if chain is not None:
         out.append(chain.build())
     return out

@@ -118,6 +118,76 @@ def chain_runs(draw: Any) -> list[Any]:
     return out
 
 
+@st.composite
+def offload_runs(draw: Any) -> list[Any]:
+    """vLLM's eager CPU offload, the pattern the chain start of rules 5a and 6 is
+    about: a GPU chain stored (in this window, or earlier: not here), then its
+    blocks' CPU copies stored one by one, each block's GPU copy removed just before
+    its CPU store or 1-2 CPU stores after it (vLLM: 1-10 batches after), so a CPU
+    store's parent hash is often GPU-removed earlier while its CPU copy was stored
+    earlier, later or never.  In between: removals of CPU keys, second stores (of
+    either medium) and clears.  In vLLM's order, or shuffled."""
+    c = draw(st.integers(0, CHAINS - 1))
+    d = draw(st.sampled_from((0, 0, 1, 2)))  # from a root: certain CPU stores
+    group = draw(GROUP_CHOICE)
+    tokens, extra = draw(st.booleans()), draw(st.booleans())
+    hs = hashes_from(c, d, DEPTH)
+    ops: list[tuple[str, int]] = [("cpu", h) for h in hs]
+    for h in hs:  # (a run keeps at least one event that is not a clear)
+        delay = draw(st.integers(-1, 2))
+        at = max(0, min(len(ops), ops.index(("cpu", h)) + 1 + delay))
+        ops.insert(at, ("gpu-", h))
+    for h in hs:
+        if draw(st.integers(0, 4)) == 0:  # a CPU copy never stored
+            ops.remove(("cpu", h))
+    kinds = st.sampled_from(("cpu-", "cpu-", "cpu-", "cpu", "gpu", "gpu-", "clear"))
+    for op in draw(st.lists(st.tuples(kinds, st.sampled_from(hs)), max_size=6)):
+        ops.insert(draw(st.integers(0, len(ops))), op)
+    if draw(st.integers(0, 3)) == 0:
+        ops = draw(st.permutations(ops))
+    out: list[Any] = []
+    gpu = hs[draw(st.integers(0, len(hs) - 1)) :]  # the GPU chain may start mid-run
+    how = draw(st.sampled_from(("earlier", "earlier", "blocks", "one store")))
+    if how == "blocks":
+        out = [_one_block(h, "GPU", group, tokens, extra) for h in gpu]
+    elif how == "one store":
+        first = _one_block(gpu[0], "GPU", group, tokens, extra)
+        out = [
+            BlockStored(
+                block_hashes=gpu,
+                parent_block_hash=first.parent_block_hash,
+                token_ids=[h * 10 + i for h in gpu for i in range(BLOCK)] if tokens else [],
+                block_size=BLOCK,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[("salt", h) for h in gpu] if extra else None,
+                group_idx=group,
+            )
+        ]
+    for op, h in ops:
+        if op in ("cpu", "gpu"):
+            out.append(_one_block(h, op.upper(), group, tokens, extra))
+        elif op == "clear":
+            out.append(AllBlocksCleared())
+        else:
+            out.append(BlockRemoved(block_hashes=[h], medium=op[:3].upper(), group_idx=group))
+    return out
+
+
+offload_lists = st.lists(
+    st.one_of(
+        offload_runs(),
+        offload_runs(),
+        stores().map(lambda e: [e]),
+        removals.map(lambda e: [e]),
+        st.just([AllBlocksCleared()]),
+    ),
+    min_size=1,
+    max_size=4,
+).map(lambda chunks: [e for c in chunks for e in c])
+
+
 event_lists = st.lists(
     st.one_of(
         stores().map(lambda e: [e]),
@@ -163,6 +233,22 @@ def closed_state(draw: Any) -> Counter[Any]:
         p = parent_of(h)
         while p is not None:
             out[(m, g, p)] = max(out[(m, g, p)], 1)
+            p = parent_of(p)
+    return out
+
+
+@st.composite
+def closed_any_medium_state(draw: Any) -> Counter[Any]:
+    """A start state where every held block's parent is held in some medium and group:
+    llm-d's closure, weaker than :func:`closed_state`'s (a CPU block may have its
+    parent on the GPU only)."""
+    base = draw(any_state)
+    out: Counter[Any] = Counter(base)
+    for _, _, h in base:
+        p = parent_of(h)
+        while p is not None:
+            if not any(k[2] == p for k in out):
+                out[(draw(st.sampled_from(MEDIA)), draw(st.sampled_from(GROUPS)), p)] = 1
             p = parent_of(p)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coalesce import _rules
 from coalesce.compactor import compact
 from coalesce.events import (
     AllBlocksCleared,
@@ -19,7 +21,15 @@ from coalesce.events import (
     KVEventBatch,
 )
 from coalesce.refmodel import MODES, SubscriberModel
-from tests.streams import any_state, batch_lists, closed_state
+from tests.streams import (
+    any_state,
+    batch_lists,
+    closed_any_medium_state,
+    closed_state,
+    cut_into_batches,
+    offload_lists,
+    offload_runs,
+)
 
 
 def final(mode: Any, start: Counter[Any], batches: list[Any]) -> dict[Any, int]:
@@ -331,3 +341,141 @@ def test_a_long_offload_run_stays_exact_in_one_call(n):
     assert rep.events_out == 2  # one CPU chain, then one GPU removal (rule 5a)
     for mode in MODES:
         assert final(mode, Counter(), out) == final(mode, Counter(), batches)
+
+
+# --- the chain start of rules 5a and 6: a parent certainly held in the chain's medium ---
+
+
+@given(
+    batch_lists(offload_lists),
+    any_state,
+    closed_state(),
+    closed_any_medium_state(),
+    st.booleans(),
+)
+def test_offload_streams_end_equal_in_every_model(batches, start, closed, llmd_closed, c_rules):
+    """vLLM's eager offload shapes (GPU removals of parents before the CPU stores of
+    their children, CPU keys removed in between, clears): every model ends equal, set
+    and refcount from any state, llm-d and Dynamo from their prefix-closed states."""
+    out, _ = compact(batches, accelerated=c_rules)
+    check_invariants(batches, out, False)
+    for mode in ("set", "refcount"):
+        assert final(mode, start, out) == final(mode, start, batches), mode
+    for mode in ("llmd", "dynamo"):
+        assert final(mode, closed, out) == final(mode, closed, batches), mode
+        assert final(mode, Counter(), out) == final(mode, Counter(), batches), mode
+    assert final("llmd", llmd_closed, out) == final("llmd", llmd_closed, batches)
+
+
+def closed_states_of(events: list[Any]) -> list[tuple[Counter[Any], bool]]:
+    """Every start state over the chain and group of ``events`` (counts of 1) that is
+    prefix-closed for llm-d (a held block's parent held in some medium), each with
+    whether it is closed for Dynamo too (its parent held in its own medium)."""
+    ev = next(e for e in events if not isinstance(e, AllBlocksCleared))
+    group, base = ev.group_idx, ev.block_hashes[0] // 100 * 100
+    media = [(), ("GPU",), ("CPU",), ("GPU", "CPU")]
+    out = []
+    for held in itertools.product(media, repeat=4):  # the media holding depth 0..3
+        if any(held[d] and not held[d - 1] for d in range(1, 4)):
+            continue
+        dynamo = all(set(held[d]) <= set(held[d - 1]) for d in range(1, 4))
+        out.append((Counter({(m, group, base + d): 1 for d in range(4) for m in held[d]}), dynamo))
+    return out
+
+
+@given(st.data())
+def test_an_offload_run_ends_equal_from_every_closed_state(data):
+    """One offload run (one chain, one group): llm-d from each of its prefix-closed
+    states over that chain, Dynamo from each of its own, set and refcount from all;
+    the C rules, the Python rules, and the Python rules with moves."""
+    events = data.draw(offload_runs())
+    batches = cut_into_batches(data.draw, events)
+    for c_rules, moves in ((False, False), (True, False), (False, True)):
+        out, _ = compact(batches, move_events=moves, accelerated=c_rules)
+        for start, dynamo in closed_states_of(events):
+            for mode in MODES if dynamo else ("set", "refcount", "llmd"):
+                assert final(mode, start, out) == final(mode, start, batches), (mode, start)
+
+
+@given(batch_lists(), closed_any_medium_state(), st.booleans())
+def test_llmd_agrees_from_states_closed_in_any_medium(batches, start, moves):
+    out, _ = compact(batches, move_events=moves)
+    assert final("llmd", start, out) == final("llmd", start, batches)
+
+
+EAGER = [  # vLLM's eager offload of a GPU chain 1-2-3-4, the GPU removals a store late
+    B(S([1, 2, 3, 4], None, "GPU")),
+    B(S([1], None, "CPU"), R([1], "GPU")),
+    B(S([2], 1, "CPU")),
+    B(S([3], 2, "CPU"), R([2], "GPU")),
+    B(S([4], 3, "CPU"), R([3], "GPU")),
+    B(R([4], "GPU")),
+]
+
+
+def test_cpu_stores_chain_on_a_parent_whose_cpu_copy_is_certain():
+    """The GPU removal of 1 comes before the CPU store of 2: the CPU chain could not
+    start on 1 by the first condition (1 was removed), but (CPU, 1) is certainly held
+    (stored under no parent, never removed), so 2, 3 and 4 become one store."""
+    for c_rules in (False, True):
+        out, _ = compact(EAGER, accelerated=c_rules)
+        assert events_of(out) == [
+            S([1, 2, 3, 4], None, "GPU"),
+            S([1], None, "CPU"),
+            R([1], "GPU"),
+            S([2, 3, 4], 1, "CPU"),
+            R([2, 3, 4], "GPU"),
+        ], c_rules
+        for mode in MODES:
+            assert final(mode, Counter(), out) == final(mode, Counter(), EAGER), mode
+
+
+def test_the_certain_parent_must_be_in_the_chains_own_medium():
+    """A certain CPU copy of 1 does not hold (GPU, 1) for Dynamo: the GPU stores stay apart."""
+    batches = [B(R([1], "GPU"), S([1], None, "CPU"), S([2], 1, "GPU"), S([3], 2, "GPU"))]
+    start = Counter({("GPU", None, 1): 1, ("GPU", None, 2): 1})
+    out, _ = compact(batches)
+    assert S([2], 1, "GPU") in events_of(out) and S([3], 2, "GPU") in events_of(out)
+    for mode in MODES:
+        assert final(mode, start, out) == final(mode, start, batches), mode
+
+
+def test_a_removal_of_the_parents_key_after_its_certain_store_keeps_the_stores_apart():
+    """(CPU, 1) stored, then removed: it may be gone when 2 arrives (llm-d: the GPU copy
+    went too) while 3's parent, held from the start, takes 3."""
+    batches = [
+        B(S([1], None, "CPU"), R([1], "GPU"), R([1], "CPU"), S([2], 1, "CPU"), S([3], 2, "CPU"))
+    ]
+    start = Counter({("GPU", None, 1): 1, ("CPU", None, 2): 1})
+    out, _ = compact(batches)
+    assert S([2], 1, "CPU") in events_of(out) and S([3], 2, "CPU") in events_of(out)
+    for mode in MODES:
+        assert final(mode, start, out) == final(mode, start, batches), mode
+
+
+def test_a_store_under_an_uncertain_parent_is_not_certain():
+    """(CPU, 2) is stored under 1, whose CPU copy was removed: not certain, so the CPU
+    store of 3, after the GPU removal of 2, starts no chain."""
+    batches = [
+        B(
+            S([1], None, "CPU"),
+            R([1], "CPU"),
+            S([2], 1, "CPU"),
+            R([2], "GPU"),
+            S([3], 2, "CPU"),
+            S([4], 3, "CPU"),
+        )
+    ]
+    out, _ = compact(batches)
+    assert S([3], 2, "CPU") in events_of(out) and S([4], 3, "CPU") in events_of(out)
+    start = Counter({("GPU", None, 1): 1, ("GPU", None, 2): 1, ("CPU", None, 3): 1})
+    for mode in MODES:
+        assert final(mode, start, out) == final(mode, start, batches), mode
+
+
+def test_the_removal_half_of_a_move_counts_as_a_removal():
+    """A BlockMoved out of CPU removes (CPU, 1): the CPU stores after it stay apart."""
+    move = BlockMoved([1], None, [], 16, None, "CPU", "GPU", None)
+    events = [S([1], None, "CPU"), move, S([2], 1, "CPU"), S([3], 2, "CPU")]
+    for rule in (_rules._gather, _rules._merge_chains):
+        assert len(rule(list(events), Counter())) == 4, rule.__name__
