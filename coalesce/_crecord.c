@@ -46,10 +46,9 @@
 #include "_cstruct.h"
 #include "_kinds.h"
 #include "_cr_table.h"
-#include "_cr_wire.h"
 
 /* Event kinds are _kinds.h's; UNREADABLE marks a registered class the loop cannot read. */
-enum { UNREADABLE = K_MOVED + 1, K_SKIP = K_MOVED + 2 /* an op with nothing to apply */ };
+enum { UNREADABLE = K_MOVED + 1 };
 enum { STOP_DONE = 0, STOP_UNKNOWN = 1, STOP_MOVE = 2, STOP_PYTHON = 3 };
 enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP, NF };
 
@@ -60,18 +59,10 @@ static Py_ssize_t g_nogil_from = 4096; /* hashes in a call from which the table 
                                         without the GIL (set_nogil_from) */
 #define MAX_SCOPES 0x7ffffff0u
 
-/* The names a class's events are encoded with (a tagged map): the tag field and
- * value, then the hashes', parent's and tokens' keys (NULL: not a field). */
-enum { W_TAG_FIELD, W_TAG, W_HASHES, W_PARENT, W_TOKENS, NW };
-
 typedef struct {
     PyTypeObject *type; /* strong reference, kept for the process's life */
     int kind;
     Py_ssize_t off[NF]; /* -1: the class has no such field (read as None) */
-    int wire;           /* its encoding's names are known: record_payloads reads it */
-    const char *wn[NW]; /* UTF-8, in strings `wkeep` holds */
-    size_t wl[NW];
-    PyObject *wkeep;
 } TypeInfo;
 
 static TypeInfo g_types[MAX_TYPES];
@@ -119,7 +110,7 @@ static void cache_clear(ScopeCache *c) {
 
 /* One event read under the GIL, applied later. */
 typedef struct {
-    int kind; /* K_STORED or K_REMOVED (K_SKIP: nothing) */
+    int kind; /* K_STORED or K_REMOVED */
     uint32_t scope;
     PyObject *ev; /* a store's: a new reference, handed to its source */
     size_t h0;
@@ -129,7 +120,6 @@ typedef struct {
     uint32_t parent_sk;
     uint64_t parent_h;
     Py_ssize_t ntok;
-    const TypeInfo *ti; /* (the payload path: the class its payload is read as) */
 } Op;
 
 typedef struct {
@@ -164,7 +154,6 @@ typedef struct {
     int cache_next;
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
     long long nbatches, nevents;   /* given to record_batch() */
-    long long payload_batches;     /* of which read from their payloads */
     Py_ssize_t at;                 /* the batch record_batches() was at */
 } State;
 
@@ -409,14 +398,13 @@ static int apply_remove(State *st, const Op *op) {
     return 1;
 }
 
-/* Phase 2: the gathered ops [from, to), applied.  0 on OOM. */
-static int apply_range(State *st, size_t from, size_t to) {
-    for (size_t k = from; k < to; k++) {
+/* Phase 2: the gathered ops, applied.  0 on OOM. */
+static int apply_ops(State *st) {
+    size_t nops = st->ops.n;
+    for (size_t k = 0; k < nops; k++) {
         Op *op = &VEC_AT(&st->ops, Op, k);
-        if (op->kind == K_SKIP) continue;
         /* the table slot of a later op's first hash (the loop's cache miss), fetched ahead */
-        if (k + 2 * AHEAD < to && st->keys.cap > 0 &&
-            VEC_AT(&st->ops, Op, k + 2 * AHEAD).kind != K_SKIP) {
+        if (k + 2 * AHEAD < nops && st->keys.cap > 0) {
             const Op *p = &VEC_AT(&st->ops, Op, k + 2 * AHEAD);
             uint64_t h = VEC_AT(&st->hb, uint64_t, p->h0);
             uint32_t sk = p->scope | (VEC_AT(&st->hf, uint8_t, p->h0) ? IFLAG : 0);
@@ -431,8 +419,8 @@ static int apply_range(State *st, size_t from, size_t to) {
     return 1;
 }
 
-static int apply_ops(State *st) { return apply_range(st, 0, st->ops.n); }
-
+/* Phase 3 (the GIL held): release dropped events, and interned hashes no kept
+ * source stores; drop ops not applied (after an error). */
 /* Release the graveyard's events, the last first, until `budget` is spent. */
 static void sweep(State *st, Py_ssize_t budget) {
     while (st->grave.n > 0 && budget > 0) {
@@ -443,8 +431,6 @@ static void sweep(State *st, Py_ssize_t budget) {
     if (st->grave.n == 0) vec_trim(&st->grave);
 }
 
-/* Phase 3 (the GIL held): release dropped events, and interned hashes no kept
- * source stores; drop ops not applied (after an error or a declined payload). */
 static void finish(State *st) {
     Py_ssize_t work = (Py_ssize_t)st->hb.n;
     for (size_t k = 0; k < st->ops.n; k++) {
@@ -1029,279 +1015,6 @@ static PyObject *State_record_batches(State *st, PyObject *const *args, Py_ssize
     return Py_BuildValue("(nl)", j, r);
 }
 
-/* ---- the payload path ---------------------------------------------------------
- *
- * record_payloads(batches, payloads, j, max_blocks): record_batch() for each of
- * batches[j:], read from payloads[k], the bytes the sender encoded batches[k]
- * into, instead of from the events' hashes, parents and token lists: under the
- * GIL only each event's class, scope and hash count are read (and a store's
- * event kept); the payloads are read and the table updated without the GIL.
- * A batch it declines (an event that is not a store or removal of a class
- * whose encoding it knows, a new scope, a hash that is not an int in
- * [0, 2**64), a payload that does not read as that batch) is left untouched
- * for record_batch(); the state is then as if the batches before it were
- * recorded one by one. */
-
-static Py_ssize_t g_payload_nogil_from = 64; /* events in a call from which the GIL is released */
-
-enum { PAY_DONE = -2, PAY_OVER = -1, PAY_DECLINED = -4 };
-
-typedef struct {
-    const unsigned char *p, *end;
-    size_t op0, op1;     /* its ops */
-    Py_ssize_t nev;
-} PBatch;
-
-/* Phase A for one batch (the GIL held): its ops, from the objects; 0 declined. */
-static int payload_ops(State *st, PyObject *batch, PyObject *payload, PBatch *pb) {
-    if (!PyBytes_CheckExact(payload)) return 0;
-    PyObject *events = PyObject_GetAttr(batch, s_events);
-    if (events == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int ok = PyList_CheckExact(events);
-    Py_ssize_t nev = ok ? PyList_GET_SIZE(events) : 0;
-    pb->op0 = st->ops.n;
-    const TypeInfo *ti = NULL;
-    for (Py_ssize_t i = 0; ok && i < nev; i++) {
-        PyObject *ev = PyList_GET_ITEM(events, i);
-        if (i + AHEAD < nev) __builtin_prefetch(PyList_GET_ITEM(events, i + AHEAD));
-        if (ti == NULL || ti->type != Py_TYPE(ev)) ti = find_type(Py_TYPE(ev));
-        if (ti == NULL || !ti->wire || (ti->kind != K_STORED && ti->kind != K_REMOVED)) {
-            ok = 0;
-            break;
-        }
-        PyObject *hashes = FIELD(ev, ti->off[F_HASHES]);
-        if (hashes == NULL || !(PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes))) {
-            ok = 0;
-            break;
-        }
-        Op op;
-        memset(&op, 0, sizeof(op));
-        op.ti = ti;
-        op.kind = K_SKIP;
-        Py_ssize_t n = Py_SIZE(hashes);
-        if (n >= (Py_ssize_t)1 << 31) {
-            ok = 0;
-            break;
-        }
-        int store = ti->kind == K_STORED;
-        if (n > 0) {
-            long long scope = scope_of(st, ev, ti, 0);
-            if (scope == -1) PyErr_Clear();
-            if (scope < 0 || (store && scope == NIL)) {
-                ok = 0; /* unset, unhashable, or a scope no store has used yet */
-                break;
-            }
-            if (scope != NIL) {
-                op.kind = ti->kind;
-                op.scope = (uint32_t)scope;
-                op.n = (uint32_t)n;
-                if (store) op.ev = Py_NewRef(ev);
-            }
-        }
-        Op *slot = (Op *)vec_push(&st->ops);
-        if (slot == NULL) {
-            Py_XDECREF(op.ev);
-            ok = 0;
-            break;
-        }
-        *slot = op;
-    }
-    Py_DECREF(events);
-    if (!ok) { /* (its ops are dropped by finish(), their events released) */
-        return 0;
-    }
-    pb->op1 = st->ops.n;
-    pb->nev = nev;
-    pb->p = (const unsigned char *)PyBytes_AS_STRING(payload);
-    pb->end = pb->p + PyBytes_GET_SIZE(payload);
-    return 1;
-}
-
-/* One event's map, for its op (no Python API). */
-static int payload_event(State *st, Rd *r, Op *op) {
-    if (op->kind == K_SKIP) return rd_skip(r);
-    const TypeInfo *ti = op->ti;
-    uint64_t pairs, n;
-    if (!rd_map(r, &pairs)) return 0;
-    int seen_tag = 0, seen_hashes = 0;
-    op->h0 = st->hb.n;
-    for (uint64_t k = 0; k < pairs; k++) {
-        const unsigned char *key;
-        uint64_t klen;
-        if (!rd_str(r, &key, &klen)) return 0;
-        if (str_is(key, klen, ti->wn[W_TAG_FIELD], ti->wl[W_TAG_FIELD])) {
-            const unsigned char *tag;
-            uint64_t tlen;
-            if (!rd_str(r, &tag, &tlen) || !str_is(tag, tlen, ti->wn[W_TAG], ti->wl[W_TAG]))
-                return 0;
-            seen_tag = 1;
-        } else if (str_is(key, klen, ti->wn[W_HASHES], ti->wl[W_HASHES])) {
-            if (seen_hashes || !rd_array(r, &n) || n != op->n) return 0;
-            for (uint64_t j = 0; j < n; j++) {
-                uint64_t *h = (uint64_t *)vec_push(&st->hb);
-                uint8_t *f = (uint8_t *)vec_push(&st->hf);
-                if (h == NULL || f == NULL) return 0;
-                if (rd_u64(r, h) != 1) return 0;
-                *f = 0;
-            }
-            seen_hashes = 1;
-        } else if (op->kind == K_STORED && str_is(key, klen, ti->wn[W_PARENT], ti->wl[W_PARENT])) {
-            if (!rd_nil(r)) {
-                if (rd_u64(r, &op->parent_h) != 1) return 0;
-                op->parent = 1;
-                op->parent_sk = 0;
-            }
-        } else if (op->kind == K_STORED && str_is(key, klen, ti->wn[W_TOKENS], ti->wl[W_TOKENS])) {
-            if (!rd_nil(r)) {
-                if (!rd_array(r, &n)) return 0;
-                op->ntok = (Py_ssize_t)n;
-                for (uint64_t j = 0; j < n; j++)
-                    if (!rd_skip(r)) return 0;
-            }
-        } else if (!rd_skip(r)) {
-            return 0;
-        }
-    }
-    op->tokens = op->ntok > 0;
-    return seen_tag && seen_hashes;
-}
-
-/* Phase B for one batch (no Python API): its payload read into its ops; 0 declined. */
-static int payload_read(State *st, const PBatch *pb) {
-    Rd r = {pb->p, pb->end};
-    uint64_t n, nev;
-    if (!rd_array(&r, &n) || n < 2 || !rd_skip(&r)) return 0; /* [ts, events, ...] */
-    if (!rd_array(&r, &nev) || nev != (uint64_t)pb->nev) return 0;
-    for (size_t k = pb->op0; k < pb->op1; k++)
-        if (!payload_event(st, &r, &VEC_AT(&st->ops, Op, k))) return 0;
-    return 1;
-}
-
-static int over_budget(const State *st, long long max_blocks) {
-    return max_blocks >= 0 && (st->counts > max_blocks || st->kept > max_blocks);
-}
-
-typedef struct {
-    Py_ssize_t at, applied;
-    long r;
-    int oom;
-} PayRun;
-
-/* Phase B for the batches phase A took (no Python API: may run without the GIL). */
-static void payload_apply(State *st, const Vec *pbs, Py_ssize_t j, Py_ssize_t taken,
-                          long long max_blocks, PayRun *run) {
-    for (Py_ssize_t q = 0; q < taken; q++) {
-        const PBatch *pb = &VEC_AT(pbs, PBatch, q);
-        run->at = j + q;
-        size_t hb0 = st->hb.n;
-        if (!payload_read(st, pb)) {
-            st->hb.n = st->hf.n = hb0;
-            run->r = PAY_DECLINED;
-            break;
-        }
-        if (!apply_range(st, pb->op0, pb->op1)) {
-            run->oom = 1;
-            break;
-        }
-        run->applied++;
-        if (over_budget(st, max_blocks)) {
-            run->r = PAY_OVER;
-            break;
-        }
-    }
-    if (!run->oom && will_shrink(st) && !tab_shrink(&st->keys)) run->oom = 1;
-}
-
-PyDoc_STRVAR(record_payloads_doc,
-             "record_payloads(batches, payloads, j, max_blocks) -> (int, int)\n\n"
-             "record_batch() for batches[j:], each read from its payload (the bytes it\n"
-             "was encoded into), the table updated without the GIL for calls of many\n"
-             "events: (len(batches), -2) when every one was applied within the budget;\n"
-             "(k, -1): batches[k] applied and over it; (k, -4): batches[k] declined,\n"
-             "nothing of it applied (record it with record_batch()).");
-
-static PyObject *State_record_payloads(State *st, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
-        PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "record_payloads(batches: list, payloads: list (as long), j, max_blocks)");
-        return NULL;
-    }
-    Py_ssize_t j = PyLong_AsSsize_t(args[2]);
-    if (j == -1 && PyErr_Occurred()) return NULL;
-    long long max_blocks = PyLong_AsLongLong(args[3]);
-    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
-    if (!check_free(st)) return NULL;
-    if (j < 0) j = 0;
-    PyObject *batches = Py_NewRef(args[0]), *payloads = Py_NewRef(args[1]);
-    Py_ssize_t end = PyList_GET_SIZE(batches);
-    st->stopped = STOP_DONE;
-    st->ops.item = sizeof(Op);
-    /* phase A: the ops of every batch it takes, up to the first it declines */
-    Vec pbs = {NULL, 0, 0, sizeof(PBatch)};
-    Py_ssize_t declined = end, events = 0;
-    for (Py_ssize_t k = j; k < end; k++) {
-        PBatch *pb = (PBatch *)vec_push(&pbs);
-        if (pb == NULL || !payload_ops(st, PyList_GET_ITEM(batches, k),
-                                       PyList_GET_ITEM(payloads, k), pb)) {
-            declined = k;
-            break;
-        }
-        events += pb->nev;
-    }
-    Py_ssize_t taken = declined - j;
-    /* phase B: read and apply batch by batch (the budget checked after each) */
-    PayRun run = {j, 0, PAY_DONE, 0};
-    if (taken > 0) {
-        st->gen++;
-        if (g_payload_nogil_from >= 0 && events >= g_payload_nogil_from) {
-            st->busy = 1;
-            g_cs->gil_releases++;
-            Py_BEGIN_ALLOW_THREADS
-            payload_apply(st, &pbs, j, taken, max_blocks, &run);
-            Py_END_ALLOW_THREADS
-            st->busy = 0;
-        } else {
-            payload_apply(st, &pbs, j, taken, max_blocks, &run);
-        }
-    }
-    Py_ssize_t at = run.at, applied = run.applied;
-    long r = run.r;
-    int oom = run.oom;
-    if (r == PAY_DONE && declined < end) {
-        at = declined;
-        r = PAY_DECLINED;
-    } else if (r == PAY_DONE) {
-        at = end;
-    }
-    for (Py_ssize_t q = 0; q < applied; q++) {
-        st->nbatches++;
-        st->nevents += VEC_AT(&pbs, PBatch, q).nev;
-    }
-    st->payload_batches += applied;
-    vec_free(&pbs);
-    finish(st);
-    publish(st);
-    Py_DECREF(batches);
-    Py_DECREF(payloads);
-    if (oom) {
-        st->at = at;
-        return PyErr_NoMemory();
-    }
-    return Py_BuildValue("(nl)", at, r);
-}
-
-static PyObject *cr_set_payload_nogil_from(PyObject *self, PyObject *arg) {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t was = g_payload_nogil_from;
-    g_payload_nogil_from = n;
-    return PyLong_FromSsize_t(was);
-}
-
 static PyObject *State_clear(State *st, PyObject *unused) {
     if (!check_free(st)) return NULL;
     forget(st);
@@ -1404,9 +1117,6 @@ static PyObject *State_events(State *st, void *closure) {
 static PyObject *State_held(State *st, void *closure) { return PyLong_FromLongLong(st->pub_held); }
 static PyObject *State_counts(State *st, void *closure) {
     return PyLong_FromLongLong(st->pub_counts);
-}
-static PyObject *State_payload_batches(State *st, void *closure) {
-    return PyLong_FromLongLong(st->payload_batches);
 }
 static PyObject *State_graveyard(State *st, void *closure) {
     return PyLong_FromSize_t(st->grave.n);
@@ -1868,7 +1578,6 @@ static void state_init_fields(State *st) {
     st->cache_next = 0;
     st->store_ops = st->store_hashes = 0;
     st->nbatches = st->nevents = 0;
-    st->payload_batches = 0;
     st->at = 0;
     publish(st);
 }
@@ -1912,8 +1621,6 @@ static PyMethodDef State_methods[] = {
      record_batch_doc},
     {"record_batches", (PyCFunction)(void (*)(void))State_record_batches, METH_FASTCALL,
      record_batches_doc},
-    {"record_payloads", (PyCFunction)(void (*)(void))State_record_payloads, METH_FASTCALL,
-     record_payloads_doc},
     {"clear", (PyCFunction)State_clear, METH_NOARGS,
      "clear() -> None: forget everything (its events released a slice a later call)."},
     {"sweep", (PyCFunction)State_sweep, METH_O,
@@ -1935,8 +1642,6 @@ static PyGetSetDef State_getset[] = {
     {"sources", (getter)State_sources, NULL, "kept sources", NULL},
     {"nbytes", (getter)State_nbytes, NULL, "bytes of C memory (table, sources)", NULL},
     {"graveyard", (getter)State_graveyard, NULL, "forgotten events not yet released", NULL},
-    {"payload_batches", (getter)State_payload_batches, NULL,
-     "batches record_payloads() read from their payloads", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1954,53 +1659,18 @@ static PyTypeObject State_Type = {
 /* ---- registration -------------------------------------------------------------- */
 
 PyDoc_STRVAR(register_doc,
-             "register(cls, kind[, wire]) -> bool\n\n"
+             "register(cls, kind) -> bool\n\n"
              "Record a class's kind and the slot offsets of the fields the loop reads.\n"
              "A store or removal class whose fields are not all slots it can read (a\n"
              "required one missing) is registered as UNREADABLE: the loop hands its\n"
-             "events to the Python recorder.  wire: (tag field, tag, hashes' key,\n"
-             "parent's key or None, tokens' key or None), the names its events are\n"
-             "encoded with as a tagged map, for record_payloads() (given again for a\n"
-             "registered class, they are added).  False when the table of classes is full.");
-
-/* The encoded names of a class (a 5-tuple of str or None); 0 on a Python error. */
-static int set_wire(TypeInfo *ti, PyObject *wire) {
-    if (!PyTuple_Check(wire) || PyTuple_GET_SIZE(wire) != NW) {
-        PyErr_SetString(PyExc_TypeError, "wire: a tuple of 5 str or None");
-        return 0;
-    }
-    for (int k = 0; k < NW; k++) {
-        PyObject *v = PyTuple_GET_ITEM(wire, k);
-        if (v == Py_None && k >= W_PARENT) {
-            ti->wn[k] = NULL;
-            ti->wl[k] = 0;
-            continue;
-        }
-        if (!PyUnicode_Check(v)) {
-            PyErr_SetString(PyExc_TypeError, "wire: the tag field, tag and hashes' key are str");
-            return 0;
-        }
-        Py_ssize_t len;
-        const char *u = PyUnicode_AsUTF8AndSize(v, &len);
-        if (u == NULL) return 0;
-        ti->wn[k] = u;
-        ti->wl[k] = (size_t)len;
-    }
-    Py_XSETREF(ti->wkeep, Py_NewRef(wire)); /* (the str objects own the UTF-8) */
-    ti->wire = ti->kind == K_STORED ? ti->wn[W_PARENT] != NULL : ti->kind == K_REMOVED;
-    return 1;
-}
+             "events to the Python recorder.  False when the table of classes is full.");
 
 static PyObject *cr_register(PyObject *self, PyObject *args) {
-    PyObject *cls, *wire = Py_None;
+    PyObject *cls;
     int kind;
-    if (!PyArg_ParseTuple(args, "O!i|O", &PyType_Type, &cls, &kind, &wire)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!i", &PyType_Type, &cls, &kind)) return NULL;
     PyTypeObject *tp = (PyTypeObject *)cls;
-    TypeInfo *known = find_type(tp);
-    if (known != NULL) {
-        if (wire != Py_None && !known->wire && !set_wire(known, wire)) return NULL;
-        Py_RETURN_TRUE;
-    }
+    if (find_type(tp) != NULL) Py_RETURN_TRUE;
     if (g_ntypes >= MAX_TYPES) Py_RETURN_FALSE;
     TypeInfo ti;
     memset(&ti, 0, sizeof(ti));
@@ -2017,10 +1687,6 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
     }
     if (ti.kind == K_STORED && (ti.off[F_HASHES] < 0 || ti.off[F_PARENT] < 0)) ti.kind = UNREADABLE;
     if (ti.kind == K_REMOVED && ti.off[F_HASHES] < 0) ti.kind = UNREADABLE;
-    if (wire != Py_None && !set_wire(&ti, wire)) {
-        Py_XDECREF(ti.wkeep);
-        return NULL;
-    }
     Py_INCREF(tp);
     ti.type = tp;
     g_types[g_ntypes++] = ti;
@@ -2040,9 +1706,6 @@ static PyMethodDef methods[] = {
     {"set_nogil_from", cr_set_nogil_from, METH_O,
      "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
      "never); the previous setting (for benchmarks)."},
-    {"set_payload_nogil_from", cr_set_payload_nogil_from, METH_O,
-     "set_payload_nogil_from(n) -> int: record_payloads() releases the GIL for calls\n"
-     "of n events or more (-1: never); the previous setting (for benchmarks)."},
     CSTRUCT_METHODS{NULL, NULL, 0, NULL},
 };
 

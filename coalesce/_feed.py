@@ -57,7 +57,6 @@ class Feed:
         self._least = policy.record_from
         self._max_deferred = max_deferred_events
         self._gathered: list[Any] = []
-        self._gathered_payloads: list[Any] = []  # (as many; None: a batch not encoded)
         self._gathered_events = 0
         self._deferred: deque[Any] = deque()
         self._deferred_events = 0
@@ -72,29 +71,23 @@ class Feed:
 
     # -- what the sender gives it ----------------------------------------------------
 
-    def record(
-        self, batches: Iterable[Any], compacted: bool = False, payloads: list[Any] | None = None
-    ) -> None:
+    def record(self, batches: Iterable[Any], compacted: bool = False) -> None:
         """Give the recorder ``batches`` (sent or refused), in publish order.
 
         ``compacted``: already the rules' output; recorded at once, after what
         was gathered before them.  Else gathered, up to ``record_window`` events,
         then recorded as the compactor's output of them (:meth:`settle`).
-        ``payloads`` (as many as ``batches``): what each was encoded into and sent
-        (None: it was not), which the recorder reads instead of the events.
         While a walk runs they wait in the deferred list instead.  O(hashes),
         amortised.
         """
-        for k, batch in enumerate(batches):  # (a walk abandoned on the way unfreezes it)
-            payload = None if payloads is None else payloads[k]
+        for batch in batches:  # (a walk abandoned on the way unfreezes it)
             if self._walk is not None:
                 self._defer(batch)
             elif compacted:
                 self.settle()
-                self._record([batch], [payload])
+                self._record([batch])
             else:
                 self._gathered.append(batch)
-                self._gathered_payloads.append(payload)
                 self._gathered_events += event_count(batch)
         if self._gathered_events >= self._window:
             self.settle()
@@ -106,10 +99,9 @@ class Feed:
         if not self._gathered:
             return
         gathered, self._gathered = self._gathered, []
-        payloads, self._gathered_payloads = self._gathered_payloads, []
         total, self._gathered_events = self._gathered_events, 0
         if total < self._least or self._window <= 0:
-            self._record(gathered, payloads)
+            self._record(gathered)
             return
         start = events = 0
         for i, batch in enumerate(gathered):
@@ -139,13 +131,10 @@ class Feed:
         if self._deferred_events > self._max_deferred and self._abandon is not None:
             self._abandon("the live stream outran it")
 
-    def _record(self, batches: list[Any], payloads: list[Any] | None = None) -> None:
-        """Record ``batches``, in order (one C call for the list; a batch with a
-        payload read from it, one without from its events), and say when the
+    def _record(self, batches: list[Any]) -> None:
+        """Record ``batches``, in order (one C call for the list), and say when the
         recorder became exact or unavailable."""
-        if payloads is not None and not any(p is not None for p in payloads):
-            payloads = None
-        self.recorder.record_many(batches, payloads)
+        self.recorder.record_many(batches)
         if self.recorder.valid != self._was_valid:
             self._say()
 

@@ -196,30 +196,6 @@ class Recorder:
         self._batches += 1
         self._record_list(None, 0, batch)
 
-    def _record_payloads(self, batches: list[Any], payloads: list[Any]) -> None:
-        """:meth:`record_many` from the payloads while the C state is exact; a batch
-        it declines (or one without a payload) is recorded from its events."""
-        j, end = 0, len(batches)
-        while j < end:
-            if self._fast is None:  # (invalid, or the state moved to Python)
-                self.record_many(batches[j:])
-                return
-            try:
-                j, r = self._cs.record_payloads(batches, payloads, j, self.max_blocks)
-            except Exception as exc:  # (as in record)
-                j = self._cs.at + 1
-                self.invalidate(
-                    f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
-                )
-                continue
-            if j == end:
-                return
-            if r == -1:
-                self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
-            else:  # declined: from its events
-                self.record(batches[j])
-            j += 1
-
     def _record_list(self, events: list[Any] | None, i: int, batch: Any = None) -> None:
         """:meth:`record` from ``events[i]`` on (``batch``'s events when None)."""
         try:
@@ -247,17 +223,11 @@ class Recorder:
         if self.valid and (counts > self.max_blocks or kept > self.max_blocks):
             self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
 
-    def record_many(self, batches: Iterable[Any], payloads: list[Any] | None = None) -> None:
+    def record_many(self, batches: Iterable[Any]) -> None:
         """:meth:`record` each of ``batches``, in order: with the C state, one call
-        for the list (each batch still checked against the budget).  ``payloads``
-        (as many): the bytes each batch was encoded into (None where it was not),
-        which the C state reads instead of the events' hashes, the GIL released
-        for the bulk.  Never raises."""
+        for the list (each batch still checked against the budget).  Never raises."""
         if type(batches) is not list:
             batches = list(batches)
-        if payloads is not None and self._fast is not None:
-            self._record_payloads(batches, payloads)
-            return
         j, end = 0, len(batches)
         while j < end:
             if self._fast is None:
@@ -294,7 +264,7 @@ class Recorder:
         if stopped == STOP_UNKNOWN:
             kind = _kind_of(type(ev))
             assert self._c is not None
-            if self._c.register(type(ev), kind, _wire_of(type(ev))):
+            if self._c.register(type(ev), kind):
                 return i  # (known now: the C loop goes on from it)
             if kind == OTHER:
                 return i + 1
@@ -726,32 +696,6 @@ def _removal(hashes: list[Any], medium: Any, group: Any, locality: Any, ownershi
     )
 
 
-def _wire_of(cls: type) -> tuple[str, str, str, str | None, str | None] | None:
-    """The names ``cls``'s events are encoded with, for the C state's payload path:
-    (tag field, tag, hashes' key, parent's key, tokens' key), when they are encoded
-    as a tagged map (msgspec's default for a tagged struct); else None."""
-    config = getattr(cls, "__struct_config__", None)
-    if config is None or config.array_like or not isinstance(config.tag, str):
-        return None
-    names = dict(
-        zip(
-            getattr(cls, "__struct_fields__", ()),
-            getattr(cls, "__struct_encode_fields__", ()),
-            strict=True,
-        )
-    )
-    hashes = names.get("block_hashes")
-    if not isinstance(config.tag_field, str) or hashes is None:
-        return None
-    return (
-        config.tag_field,
-        config.tag,
-        hashes,
-        names.get("parent_block_hash"),
-        names.get("token_ids"),
-    )
-
-
 def _kind(cls: type) -> int:
     config = getattr(cls, "__struct_config__", None)
     tag = None if config is None else config.tag
@@ -800,4 +744,4 @@ def _moved_store(ev: Any) -> BlockStored:
 
 if _accel is not None:  # this package's own classes, known to the C loop from the start
     for _cls in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved):
-        _accel.register(_cls, _kind_of(_cls), _wire_of(_cls))
+        _accel.register(_cls, _kind_of(_cls))

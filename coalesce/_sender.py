@@ -126,7 +126,6 @@ class Sender:
                 backlog, feed, stream, encoder, rank, settings, self.totals, self.limited
             )
         self._in_flight = (0, 0)  # (batches, events) taken and not yet finished with
-        self._payloads: list[Any] = []  # what this step's batches went out as (None: not)
 
         # shared with the facade
         self.done = 0
@@ -305,9 +304,8 @@ class Sender:
     # -- the send path ---------------------------------------------------------------
 
     def _send(self, taken: list[Any], how: How) -> None:
-        """Send what a step took, ``how`` it says; the feed sees what went out (and
-        the bytes each went out as); then finish with it.  O(events + block hashes)."""
-        self._payloads = []
+        """Send what a step took, ``how`` it says; the feed sees what went out; then
+        finish with it.  O(events + block hashes)."""
         if how is How.AS_GIVEN:
             sent = self._as_given(taken)
         elif how is How.PARTS:
@@ -319,18 +317,15 @@ class Sender:
                 sent = self._as_given(taken)
             else:
                 sent = self._compacted(taken, fold_only=how is not How.RULES, timed=True)
-        self._finish(len(taken), sent, compacted=how is not How.AS_GIVEN, payloads=self._payloads)
+        self._finish(len(taken), sent, compacted=how is not How.AS_GIVEN)
 
-    def _finish(
-        self, batches: int, sent: list[Any], compacted: bool, payloads: list[Any] | None = None
-    ) -> None:
-        """The feed sees ``sent`` (``compacted``: the rules' or the fold's output;
-        ``payloads``: what each was encoded into, None where it was not); once
+    def _finish(self, batches: int, sent: list[Any], compacted: bool) -> None:
+        """The feed sees ``sent`` (``compacted``: the rules' or the fold's output); once
         nothing waits to be sent, it has seen all of it, before ``done`` counts the
         ``batches`` taken."""
         feed = self.feed
         if feed is not None:
-            feed.record(sent, compacted, payloads)
+            feed.record(sent, compacted)
             if not len(self._backlog):
                 feed.settle()
         self.done += batches
@@ -339,16 +334,13 @@ class Sender:
     def _as_given(self, batches: list[Any]) -> list[Any]:
         """Each batch encoded as it is and sent; one the encoder rejects is lost,
         visibly."""
-        kept = self._payloads
         for batch in batches:
             try:
                 payload = self._encoder.encode(batch)
             except Exception as exc:
                 self._encode_failed(exc)
-                kept.append(None)
                 continue
             self._stream.emit(payload, event_count(batch))
-            kept.append(payload)
         return batches
 
     def _compacted(self, window: list[Any], fold_only: bool, timed: bool = False) -> list[Any]:
@@ -371,7 +363,6 @@ class Sender:
             self.pacing.rules_cost.record(cost)
         for batch, payload in zip(out, payloads, strict=True):
             self._stream.emit(payload, event_count(batch))
-        self._payloads += payloads
         self.totals.add_pass(rep, fold_only=fold_only)
         return out
 

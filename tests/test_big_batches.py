@@ -96,10 +96,10 @@ def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
     seen: list[int] = []
     real = Feed.record
 
-    def spy(self: Any, batches: Any, compacted: bool = False, payloads: Any = None) -> None:
+    def spy(self: Any, batches: Any, compacted: bool = False) -> None:
         batches = list(batches)
         seen.extend(len(b.events) for b in batches)
-        real(self, batches, compacted, payloads)
+        real(self, batches, compacted)
 
     monkeypatch.setattr(Feed, "record", spy)
     first, refused, after = chain(1000, 60), chain(2000, 640), chain(5000, 200)
