@@ -67,7 +67,7 @@ typedef struct {
     Table ids;
     struct {
         Buf src, hids, op_idx, op_pos, op_prior, op_sure, alive, dead, items_a, items_b;
-        Buf last_op, last_child, by_hash, by_key;
+        Buf last_op, last_child, by_hash, by_key, removed;
         Buf g_key_any, g_key_store, g_hash_any, g_parent_of, g_chain_end, g_groups, g_next;
         Buf key_rem, key_sure; /* rules 5a and 6: a key's latest removal, certain store */
         Buf wire; /* compact_window(wire=True): one per-block array's encoding */

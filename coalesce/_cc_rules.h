@@ -114,7 +114,7 @@ typedef struct {
     int32_t first, last; /* member items: first, and last (next_item links them) */
     int32_t n;           /* members */
     int32_t tail;        /* a chain's last hash id */
-    char chain_ok; /* later stores may join: certain and splittable */
+    char chain_ok;
     char sure; /* a chain every model accepts: its first parent is certainly held */
 } Group;
 
@@ -160,18 +160,20 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
     int32_t *chain_end = (int32_t *)buf_get(&st->bufs.g_chain_end, (size_t)NK * sizeof(int32_t));
     int32_t *hash_any = (int32_t *)buf_get(&st->bufs.g_hash_any, (size_t)U * sizeof(int32_t));
     int32_t *parent_of = (int32_t *)buf_get(&st->bufs.g_parent_of, (size_t)U * sizeof(int32_t));
+    char *removed = (char *)buf_get(&st->bufs.removed, (size_t)U);
     int32_t *key_rem = (int32_t *)buf_get(&st->bufs.key_rem, (size_t)NK * sizeof(int32_t));
     int32_t *key_sure = (int32_t *)buf_get(&st->bufs.key_sure, (size_t)NK * sizeof(int32_t));
     Group *groups = (Group *)buf_get(&st->bufs.g_groups, (size_t)(nin ? nin : 1) * sizeof(Group));
     int32_t *next_item = (int32_t *)buf_get(&st->bufs.g_next, (size_t)(nin ? nin : 1) * sizeof(int32_t));
-    if (!key_any || !key_store || !chain_end || !hash_any || !parent_of || !key_rem || !key_sure ||
-        !groups || !next_item)
+    if (!key_any || !key_store || !chain_end || !hash_any || !parent_of || !removed || !key_rem ||
+        !key_sure || !groups || !next_item)
         return -1;
     memset(key_any, 0xff, (size_t)NK * sizeof(int32_t));
     memset(key_store, 0xff, (size_t)NK * sizeof(int32_t));
     memset(chain_end, 0xff, (size_t)NK * sizeof(int32_t));
     memset(hash_any, 0xff, (size_t)U * sizeof(int32_t));
     memset(parent_of, 0xff, (size_t)U * sizeof(int32_t));
+    memset(removed, 0, (size_t)U);
     memset(key_rem, 0xff, (size_t)NK * sizeof(int32_t));
     memset(key_sure, 0xff, (size_t)NK * sizeof(int32_t));
     int32_t last_removal[MAX_DESCS];
@@ -220,6 +222,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
                     key_any[kid] = max32(key_any[kid], j);
                     key_rem[kid] = max32(key_rem[kid], j);
                     hash_any[gh[p]] = max32(hash_any[gh[p]], j);
+                    removed[gh[p]] = 1;
                 }
             }
             continue;
@@ -245,7 +248,8 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             j = group_start(groups, &ng, i);
             int sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
             groups[j].sure = (char)sure;
-            groups[j].chain_ok = (char)(sure && s->splittable);
+            groups[j].chain_ok =
+                (char)(s->splittable && (sure || !(s->parent >= 0 && removed[s->parent])));
         }
         for (int32_t p = g.start; p < g.end; p++) {
             Py_ssize_t kid = KID(w, hids[p], s->mg);
@@ -427,9 +431,11 @@ static inline void mark_sure(const Window *w, const Item *it, const Seg *gs, int
 static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *insegs, Item *out,
                       Py_ssize_t *nout, SegVec *outsegs, long *merged) {
     Py_ssize_t NK = (Py_ssize_t)w->nids * w->nmg;
+    char *removed = (char *)buf_get(&w->st->bufs.removed, (size_t)w->nids);
     int32_t *key_rem = (int32_t *)buf_get(&w->st->bufs.key_rem, (size_t)NK * sizeof(int32_t));
     int32_t *key_sure = (int32_t *)buf_get(&w->st->bufs.key_sure, (size_t)NK * sizeof(int32_t));
-    if (key_rem == NULL || key_sure == NULL) return -1;
+    if (removed == NULL || key_rem == NULL || key_sure == NULL) return -1;
+    memset(removed, 0, (size_t)w->nids);
     memset(key_rem, 0xff, (size_t)NK * sizeof(int32_t));
     memset(key_sure, 0xff, (size_t)NK * sizeof(int32_t));
     Py_ssize_t m = 0;
@@ -462,7 +468,7 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
             first = s;
             last = tail;
             chain_sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
-            chain_ok = chain_sure && s->splittable;
+            chain_ok = s->splittable && (chain_sure || !(s->parent >= 0 && removed[s->parent]));
             if (chain_sure) mark_sure(w, it, gs, key_sure, (int32_t)i);
             continue;
         }
@@ -471,7 +477,10 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
         for (Py_ssize_t q = 0; q < it->nseg; q++) {
             Seg g = insegs->v[it->seg0 + q];
             const int32_t *hids = w->hids + w->src[g.src].h0;
-            for (int32_t p = g.start; p < g.end; p++) key_rem[KID(w, hids[p], s->mg)] = (int32_t)i;
+            for (int32_t p = g.start; p < g.end; p++) {
+                removed[hids[p]] = 1;
+                key_rem[KID(w, hids[p], s->mg)] = (int32_t)i;
+            }
         }
     }
     *nout = m;

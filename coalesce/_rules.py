@@ -306,7 +306,7 @@ class _Gathered:
         self.ev = ev
         self.removals: list[Any] | None = None
         self.chain: _Chain | None = None
-        self.chain_ok = False  # later stores may join: certain and splittable
+        self.chain_ok = False
         self.sure = False  # a chain every model accepts (its first parent is certainly held)
 
     def build(self, counts: Counter[str]) -> Any:
@@ -356,6 +356,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
     key_store: dict[tuple[Any, Any, Any], int] = {}  # key -> latest store touching it
     hash_any: dict[Any, int] = {}  # hash -> latest position holding it (any medium)
     parent_of: dict[Any, int] = {}  # hash -> latest store naming it as a parent
+    removed: set[Any] = set()  # hashes removed so far (a chain start's condition)
     removed_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest position removing it
     sure_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest certain store of it
     last_removal: dict[Hashable, int] = {}  # removal class and fields -> latest position
@@ -384,6 +385,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
                 removed_at[k] = max(removed_at.get(k, -1), j)
             for h in ev.block_hashes:
                 hash_any[h] = max(hash_any.get(h, -1), j)
+            removed.update(ev.block_hashes)
         elif kind == STORED:
             medium, group, parent = ev.medium, _group(ev), ev.parent_block_hash
             keys = [(medium, group, h) for h in ev.block_hashes]
@@ -404,7 +406,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
                 g = _Gathered(ev)
                 g.chain = _Chain(ev)
                 sure = g.sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
-                g.chain_ok = sure and _splittable(ev)
+                g.chain_ok = _splittable(ev) and (sure or parent not in removed)
                 out.append(g)
             for k in keys:
                 key_any[k] = max(key_any.get(k, -1), j)
@@ -419,6 +421,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
         else:  # a BlockMoved: nothing moves across it
             floor = len(out)
             out.append(_Gathered(ev))
+            removed.update(ev.block_hashes)
             group = _group(ev)
             for h in ev.block_hashes:  # its removal half (its store is never counted certain)
                 removed_at[(ev.from_medium, group, h)] = floor
@@ -484,12 +487,14 @@ class _Chain:
 def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
     """Rule 6, one forward pass.  O(events + hashes).
 
-    A chain is only started on a parent certainly held in the chain's own
-    medium and group (no parent, or a certain store of it later than every
-    removal of it): see "chain" in docs/event-semantics.md for why a
-    parent-checking subscriber needs it.
+    A chain is only started when its parent's hash was not removed earlier in
+    the window, or when its parent is certainly held in the chain's own medium
+    and group (a certain store of it later than every removal of it): see
+    "chain" in docs/event-semantics.md for why a parent-checking subscriber
+    needs one or the other.
     """
     out: list[Any] = []
+    removed: set[Any] = set()
     removed_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest removal of it
     sure_at: dict[tuple[Any, Any, Any], int] = {}  # key -> latest certain store of it
     chain: _Chain | None = None
@@ -507,7 +512,7 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
                 chain = _Chain(ev)
                 parent = ev.parent_block_hash
                 chain_sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
-                chain_ok = chain_sure and _splittable(ev)
+                chain_ok = _splittable(ev) and (chain_sure or parent not in removed)
             if chain_sure:  # a chain's blocks are stored iff its first parent is held
                 for h in ev.block_hashes:
                     sure_at[(medium, group, h)] = i
@@ -515,7 +520,8 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
         if chain is not None:
             out.append(chain.build())
             chain = None
-        out.append(ev)  # a removal or a BlockMoved
+        out.append(ev)
+        removed.update(ev.block_hashes)  # a removal or a BlockMoved
         medium = ev.medium if kind == REMOVED else ev.from_medium
         group = _group(ev)
         for h in ev.block_hashes:

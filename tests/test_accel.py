@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from coalesce import _rules, compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from coalesce_tools.workload import Engine, WorkloadConfig
-from tests.streams import batch_lists, lazy_lists, offload_lists
+from tests.streams import batch_lists, offload_lists
 
 if compactor._accel is None:
     if os.environ.get("COALESCE_REQUIRE_ACCEL"):
@@ -197,14 +197,6 @@ def test_model_streams_match_the_python_rules(batches: list[KVEventBatch]) -> No
 @given(offload_lists)
 def test_offload_streams_match_the_python_rules(events: list[Any]) -> None:
     """vLLM's eager offload shapes, where chains start on a parent certainly held."""
-    assert compactor._accelerated(list(events)) is not None
-    assert_same(events)
-
-
-@given(lazy_lists)
-def test_lazy_streams_match_the_python_rules(events: list[Any]) -> None:
-    """vLLM's lazy offload shapes: parentless CPU copies, GPU stores under parents that
-    may be missing, loads back."""
     assert compactor._accelerated(list(events)) is not None
     assert_same(events)
 
