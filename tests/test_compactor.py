@@ -479,3 +479,29 @@ def test_the_removal_half_of_a_move_counts_as_a_removal():
     events = [S([1], None, "CPU"), move, S([2], 1, "CPU"), S([3], 2, "CPU")]
     for rule in (_rules._gather, _rules._merge_chains):
         assert len(rule(list(events), Counter())) == 4, rule.__name__
+
+
+# --- vLLM's lazy offload: parentless CPU copies of hashes whose parent is missing ---
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="rules 5a and 6 start a chain on a parent not removed in the window, which "
+    "needs one parent per hash; lazy offload's parentless CPU copies break it",
+)
+@pytest.mark.parametrize("between", [[], [R([9])], [S([9], None, "CPU")]])
+@pytest.mark.parametrize("c_rules", [False, True])
+def test_a_gpu_chain_on_an_uncertain_parent_is_not_merged_over_a_parentless_cpu_copy(
+    between, c_rules
+):
+    """The lazy window: the index holds 1 only as a parentless CPU copy (vLLM's lazy
+    offload stores CPU blocks under no parent) and 0, its GPU parent, nowhere. The GPU
+    store of 1 under 0 is dropped by llm-d, the GPU store of 2 under 1 is kept (1 is
+    held, on the CPU); merged into [1, 2] under 0 (adjacent, or gathered across an
+    event they commute with) llm-d would drop 2 too."""
+    start = Counter({("CPU", None, 1): 1})
+    batches = [B(S([1], 0, "GPU")), B(*between, S([2], 1, "GPU"))]
+    out, _ = compact(batches, accelerated=c_rules)
+    assert ("GPU", None, 2) in final("llmd", start, batches)
+    for mode in MODES:
+        assert final(mode, start, out) == final(mode, start, batches), mode
