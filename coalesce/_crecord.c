@@ -161,10 +161,10 @@ static PyTypeObject State_Type;
 
 /* An event of a forgotten state (an AllBlocksCleared, a clear()), waiting to be
  * released: its cost, in objects its release frees (the event, its tokens and
- * hashes).  Releasing a large state at once would hold the GIL for O(state)
- * (170 ms for 1M blocks); each call releases at most GRAVE_SLICE of it, or
- * twice the call's own work, whichever is more, so the graveyard drains at
- * least as fast as a stream can fill it and no call holds the GIL long for it. */
+ * hashes).  Releasing a large state at once would hold the GIL for O(state);
+ * instead each finish() releases up to max(GRAVE_SLICE, twice the work of the
+ * update it ends), so the graveyard drains at least as fast as a stream can
+ * fill it and no update holds the GIL long for it. */
 typedef struct {
     PyObject *ev;
     Py_ssize_t cost;
@@ -419,8 +419,6 @@ static int apply_ops(State *st) {
     return 1;
 }
 
-/* Phase 3 (the GIL held): release dropped events, and interned hashes no kept
- * source stores; drop ops not applied (after an error). */
 /* Release the graveyard's events, the last first, until `budget` is spent. */
 static void sweep(State *st, Py_ssize_t budget) {
     while (st->grave.n > 0 && budget > 0) {
@@ -431,6 +429,8 @@ static void sweep(State *st, Py_ssize_t budget) {
     if (st->grave.n == 0) vec_trim(&st->grave);
 }
 
+/* Phase 3 (the GIL held): release dropped events, and interned hashes no kept
+ * source stores; drop ops not applied (after an error); a slice of the graveyard. */
 static void finish(State *st) {
     Py_ssize_t work = (Py_ssize_t)st->hb.n;
     for (size_t k = 0; k < st->ops.n; k++) {

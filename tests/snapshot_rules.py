@@ -122,6 +122,7 @@ class SnapshotRulesConsumer:
         sub.connect(self._endpoint)
         self._sub = sub
         self._next: int | None = None
+        self._pending: StrictIndex | None = None  # built by a bootstrap, not yet installed
         self._epoch: bytes | None = None
         self._topic: bytes | None = None
 
