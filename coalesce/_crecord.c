@@ -151,7 +151,7 @@ typedef struct {
     long long pub_held, pub_counts, pub_kept, pub_sources;
     int stopped;
     ScopeCache cache[NCACHE]; /* the last scopes looked up (cleared with the scopes) */
-    int cache_next;
+    int cache_next, cache_last; /* the slot replaced next (never the last hit); the last hit */
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
     long long nbatches, nevents;   /* given to record_batch() */
     Py_ssize_t at;                 /* the batch record_batches() was at */
@@ -310,12 +310,18 @@ static int apply_store(State *st, Op *op) {
     uint32_t sid = src_alloc(st);
     if (sid == NIL) return 0;
     Src *s = &st->src[sid];
-    memset(s, 0, sizeof(*s));
+    /* (every field set one by one: cheaper than a memset of the slot) */
     s->ev = op->ev;
     op->ev = NULL; /* (the source owns it now) */
+    s->hs = NULL;
+    s->h1 = 0;
+    s->ifl = NULL;
+    s->deps = NULL;
+    s->d1 = 0;
     s->scope = scope;
     s->size = n;
     s->tokens = op->tokens;
+    s->repeats = 0;
     s->ntok = op->ntok;
     int any_interned = 0;
     for (uint32_t j = 0; j < n; j++) any_interned |= hf[j];
@@ -589,20 +595,18 @@ static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, int creat
         v[k] = field(ev, ti, F_MEDIUM + k);
         if (v[k] == NULL) return -2; /* unset */
     }
-    for (int k = 0; k < NCACHE; k++) {
-        ScopeCache *c = &st->cache[k];
+    for (int k = 0; k < NCACHE; k++) { /* the last hit first (entries stay in place) */
+        int idx = (st->cache_last + k) % NCACHE;
+        ScopeCache *c = &st->cache[idx];
         if (c->valid && same_value(v[0], c->v[0]) &&
             same_value(v[1], c->v[1]) && same_value(v[2], c->v[2]) && same_value(v[3], c->v[3])) {
-            uint32_t id = c->id;
-            if (k > 0) { /* the most recent first */
-                ScopeCache tmp = st->cache[0];
-                st->cache[0] = *c;
-                *c = tmp;
-            }
-            return id;
+            st->cache_last = idx;
+            return c->id;
         }
     }
+    if (st->cache_next == st->cache_last) st->cache_next = (st->cache_next + 1) % NCACHE;
     ScopeCache *c = &st->cache[st->cache_next];
+    st->cache_last = st->cache_next;
     st->cache_next = (st->cache_next + 1) % NCACHE;
     PyObject *t = PyTuple_Pack(4, v[0], v[1], v[2], v[3]);
     if (t == NULL) return -1;
@@ -725,41 +729,57 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     if (n == 0) return 1; /* a store of none, a removal of none: nothing */
     if (n >= (Py_ssize_t)1 << 31) return 0;
     int store = ti->kind == K_STORED;
-    Op op;
-    memset(&op, 0, sizeof(op));
-    op.kind = ti->kind;
     long long scope = scope_of(st, ev, ti, store);
     if (scope == -2) return 0;
     if (scope == -1) return -1;
     if (scope == NIL) return 1; /* a removal in a scope never stored to: a no-op */
-    op.scope = (uint32_t)scope;
-    op.n = (uint32_t)n;
+    /* the op, written in place (no copy of one built on the stack); taken back
+     * on a failure */
+    Op *op = (Op *)vec_push(&st->ops);
+    if (op == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    op->kind = ti->kind;
+    op->scope = (uint32_t)scope;
+    op->ev = NULL;
+    op->n = (uint32_t)n;
+    op->parent = 0;
+    op->tokens = 0;
+    op->parent_sk = 0;
+    op->parent_h = 0;
+    op->ntok = 0;
     if (store) {
         PyObject *parent = FIELD(ev, ti->off[F_PARENT]);
-        if (parent == NULL) return 0;
+        if (parent == NULL) goto not_taken;
         if (parent != Py_None) {
             uint8_t flag;
-            int r = hash_key(st, parent, 0, &op.parent_h, &flag);
-            if (r <= 0) return r;
-            op.parent = flag != 2;
-            op.parent_sk = flag == 1 ? IFLAG : 0;
+            int r = hash_key(st, parent, 0, &op->parent_h, &flag);
+            if (r <= 0) {
+                st->ops.n--;
+                return r;
+            }
+            op->parent = flag != 2;
+            op->parent_sk = flag == 1 ? IFLAG : 0;
         }
         PyObject *toks = field(ev, ti, F_TOKENS);
-        if (toks == NULL) return 0;
+        if (toks == NULL) goto not_taken;
         if (toks == Py_None) {
-            op.ntok = 0;
+            op->ntok = 0;
         } else if (PyList_CheckExact(toks) || PyTuple_CheckExact(toks)) {
-            op.ntok = PySequence_Fast_GET_SIZE(toks);
+            op->ntok = PySequence_Fast_GET_SIZE(toks);
         } else {
-            return 0;
+            goto not_taken;
         }
-        op.tokens = op.ntok > 0;
+        op->tokens = op->ntok > 0;
     }
     size_t h0 = st->hb.n;
     for (Py_ssize_t j = 0; j < n; j++) {
         uint64_t *h = (uint64_t *)vec_push(&st->hb);
         uint8_t *f = (uint8_t *)vec_push(&st->hf);
         if (h == NULL || f == NULL) {
+            st->hb.n = st->hf.n = h0;
+            st->ops.n--;
             PyErr_NoMemory();
             return -1;
         }
@@ -771,23 +791,20 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
         int r = hash_key(st, o, store, h, f);
         if (r <= 0) {
             st->hb.n = st->hf.n = h0;
+            st->ops.n--;
             return r;
         }
     }
-    op.h0 = h0;
-    Op *slot = (Op *)vec_push(&st->ops);
-    if (slot == NULL) {
-        st->hb.n = st->hf.n = h0;
-        PyErr_NoMemory();
-        return -1;
-    }
+    op->h0 = h0;
     if (store) {
-        op.ev = Py_NewRef(ev);
+        op->ev = Py_NewRef(ev);
         st->store_ops++;
-        st->store_hashes += op.n;
+        st->store_hashes += n;
     }
-    *slot = op;
     return 1;
+not_taken:
+    st->ops.n--;
+    return 0;
 }
 
 /* Whether applying the ops gathered will grow the key table or the sources'
@@ -1575,7 +1592,7 @@ static void state_init_fields(State *st) {
     st->gen = 0;
     st->stopped = 0;
     memset(&st->cache, 0, sizeof(st->cache));
-    st->cache_next = 0;
+    st->cache_next = st->cache_last = 0;
     st->store_ops = st->store_hashes = 0;
     st->nbatches = st->nevents = 0;
     st->at = 0;
