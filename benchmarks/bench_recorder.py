@@ -11,7 +11,13 @@ recorder (coalesce/_recorder.py: the replay-program state of vLLM PR
   floor under its cost, on another thread of the same process);
 - ``record``: the recorder fed each batch (a fresh recorder per pass, so stores
   are new keys as in a live stream): its state in C where built;
-- ``record py``: the same with the pure-Python recorder (the fall back);
+- ``record, steady``: the recorder of a live engine, whose table has grown
+  to the size the stream keeps: a fresh recorder first fed the stream's
+  earlier batches (not timed: as many windows again as the measured ones, or
+  the first half of vLLM's stream by events), then timed on the batches that follow, against
+  a raw encode of those same batches (the ``record`` column counts the
+  table's growth from empty, paid once in a recorder's life);
+- ``record py``: the same as ``record`` with the pure-Python recorder (the fall back);
 - ``record compacted``: the recorder fed the rules' output of each window
   (what the sender records under pressure), the compaction not counted;
 - ``feed, behind`` and ``feed, caught up``: the batches given one by one to
@@ -65,7 +71,7 @@ from typing import Any
 import msgspec
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_compact import alternate, make_batch, seed_batches, workloads
+from bench_compact import alternate, make_batch, seed_batches, windows_of, workloads
 
 from coalesce import _recorder, compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -167,6 +173,60 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
         "record py": recorder(batches, accelerated=False),
         "record compacted": recorder(compacted),
         **{name: feed(caught_up) for name, caught_up in FEEDS.items()},
+    }
+
+
+def steady(warm: list[Any], batches: list[Any], seconds: float, rounds: int) -> float:
+    """Seconds per event of recording ``batches`` into a recorder already fed
+    ``warm``, over those of a raw encode of ``batches``: medians of rounds, the
+    two alternated, the warm-up not timed."""
+    enc = Encoder()
+    events = sum(len(b.events) for b in batches)
+    times: dict[str, list[float]] = {"raw": [], "record": []}
+    for r in range(rounds):
+        for path in ("raw", "record") if r % 2 == 0 else ("record", "raw"):
+            spent, t_end = 0.0, time.perf_counter() + seconds
+            n = 0
+            while n == 0 or time.perf_counter() < t_end:
+                if path == "raw":
+                    t0 = time.perf_counter()
+                    for b in batches:
+                        enc.encode(b)
+                    spent += time.perf_counter() - t0
+                else:
+                    rec = Recorder(10_000_000)
+                    rec.record_many(warm)
+                    t0 = time.perf_counter()
+                    for b in batches:
+                        rec.record(b)
+                    spent += time.perf_counter() - t0
+                    assert rec.valid
+                    del rec
+                n += 1
+            times[path].append(spent / (n * events))
+    return statistics.median(times["record"]) / statistics.median(times["raw"])
+
+
+def steady_streams(limit: int) -> dict[str, tuple[list[Any], list[Any]]]:
+    """(warm-up batches, measured batches) of each workload: the measured ones
+    as many windows as :func:`workloads` times, after as many again."""
+
+    def split(batches: list[Any]) -> tuple[list[Any], list[Any]]:
+        windows = windows_of(batches, limit)[:120]
+        half = len(windows) // 2
+        return [b for w in windows[:half] for b in w], [b for w in windows[half:] for b in w]
+
+    real, events, half = real_stream(), 0, 0
+    total = sum(len(b.events) for b in real)
+    while events * 2 < total:  # its first half by events (its batches are uneven)
+        events += len(real[half].events)
+        half += 1
+    return {
+        "seed burst": split(seed_batches(True, 1300)),
+        "seed steady": split(seed_batches(False, 2700)),
+        "offload ~100/batch": split([make_batch(i, 33) for i in range(800)]),
+        "offload ~20/batch": split([make_batch(i, 7) for i in range(4000)]),
+        "vLLM's scheduler (eager)": (real[:half], real[half:]),
     }
 
 
@@ -321,18 +381,21 @@ def main() -> None:
         "raw encode ns/event",
         "decode",
         "record",
+        "record, steady",
         "record py",
         "record compacted",
         *FEEDS,
     )
     gc.collect()
     streams = {**workloads(args.window), "vLLM's scheduler (eager)": [real_stream()]}
+    warmed = steady_streams(args.window)
     for name, windows in streams.items():
         per = measure(windows, args.seconds, args.rounds)
         raw = per["raw"]
+        live = steady(*warmed[name], args.seconds, args.rounds)
         print(
             f"| {name} | {raw * 1e9:.0f} | {per['decode'] / raw:.2f}x | "
-            f"{per['record'] / raw:.2f}x | {per['record py'] / raw:.2f}x | "
+            f"{per['record'] / raw:.2f}x | {live:.2f}x | {per['record py'] / raw:.2f}x | "
             f"{per['record compacted'] / raw:.2f}x | "
             + " | ".join(f"{per[feed] / raw:.2f}x" for feed in FEEDS)
             + " |",
