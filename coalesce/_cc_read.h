@@ -114,6 +114,7 @@ typedef struct {
     uint32_t mgs[MAX_MG];
     State *st;           /* the module's buffers */
     const Registry *reg; /* the module's classes */
+    int certain;         /* chains start only on a certainly held parent (parentless copies) */
 } Window;
 
 #define KID(w, hid, mg) ((Py_ssize_t)(hid) * (w)->nmg + (mg))

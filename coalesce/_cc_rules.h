@@ -248,8 +248,9 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             j = group_start(groups, &ng, i);
             int sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
             groups[j].sure = (char)sure;
-            groups[j].chain_ok =
-                (char)(s->splittable && (sure || !(s->parent >= 0 && removed[s->parent])));
+            groups[j].chain_ok = (char)(s->splittable &&
+                                        (sure || (!w->certain &&
+                                                  !(s->parent >= 0 && removed[s->parent]))));
         }
         for (int32_t p = g.start; p < g.end; p++) {
             Py_ssize_t kid = KID(w, hids[p], s->mg);
@@ -468,7 +469,8 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
             first = s;
             last = tail;
             chain_sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
-            chain_ok = s->splittable && (chain_sure || !(s->parent >= 0 && removed[s->parent]));
+            chain_ok = s->splittable &&
+                       (chain_sure || (!w->certain && !(s->parent >= 0 && removed[s->parent])));
             if (chain_sure) mark_sure(w, it, gs, key_sure, (int32_t)i);
             continue;
         }

@@ -240,10 +240,11 @@ static PyObject *cc_register(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(compact_doc,
-             "compact_events($module, events, /)\n--\n\n"
-             "compact_events(events) -> GroupResult | type | None\n\n"
+             "compact_events($module, events, certain=False, /)\n--\n\n"
+             "compact_events(events, certain=False) -> GroupResult | type | None\n\n"
              "Rules 2, 3, 5a, 5 and 6 of coalesce.compactor on one folded group's events (a\n"
-             "list), exactly as _compact_events computes them without moves.  Returns a\n"
+             "list), exactly as _compact_events computes them without moves (certain: a\n"
+             "chain starts only on a certainly held parent).  Returns a\n"
              "class that is not registered yet (register it and call again), or None\n"
              "for a window this accelerator declines.  A GroupResult is a named tuple\n"
              "(events, superseded, cancelled, merged).  O(events + block hashes).");
@@ -254,7 +255,7 @@ PyDoc_STRVAR(compact_doc,
  * is set when a class not registered yet is why); -1 on error (an exception
  * is set). */
 static int compact_group(ModState *ms, PyObject *events, PyObject **out_list, long *counts,
-                         PyTypeObject **unknown, int wire) {
+                         PyTypeObject **unknown, int wire, int certain) {
     State *st = &ms->work;
     if (st->busy) return 0;
     st->busy = 1;
@@ -262,6 +263,7 @@ static int compact_group(ModState *ms, PyObject *events, PyObject **out_list, lo
     memset(&w, 0, sizeof(w));
     w.st = st;
     w.reg = &ms->reg;
+    w.certain = certain;
     Item *a = NULL;
     SegVec sa = st->segs_a, sb = st->segs_b;
     sa.n = sb.n = 0;
@@ -316,13 +318,16 @@ done:
     return status;
 }
 
-static PyObject *cc_compact_events(PyObject *self, PyObject *events) {
+static PyObject *cc_compact_events(PyObject *self, PyObject *args) {
+    PyObject *events;
+    int certain = 0;
+    if (!PyArg_ParseTuple(args, "O|p", &events, &certain)) return NULL;
     if (!PyList_CheckExact(events)) Py_RETURN_NONE;
     PyObject *out = NULL;
     PyTypeObject *unknown = NULL;
     long counts[N_COUNTERS] = {0};
     ModState *ms = get_state(self);
-    int r = compact_group(ms, events, &out, counts, &unknown, 0);
+    int r = compact_group(ms, events, &out, counts, &unknown, 0, certain);
     if (r < 0) return NULL;
     if (r == 0) {
         if (unknown != NULL) {
@@ -495,8 +500,8 @@ static PyObject *fold_events(const Registry *reg, PyObject *batches, Py_ssize_t 
 }
 
 PyDoc_STRVAR(compact_window_doc,
-             "compact_window($module, batches, fold_only, wire=False, /)\n--\n\n"
-             "compact_window(batches, fold_only, wire=False)\n"
+             "compact_window($module, batches, fold_only, wire=False, certain=False, /)\n--\n\n"
+             "compact_window(batches, fold_only, wire=False, certain=False)\n"
              "    -> WindowResult | (code, cls) | None\n\n"
              "coalesce.compactor.compact(batches, fold_only=fold_only) without moves, in\n"
              "one call: adjacent batches of one class and rank folded, then (unless\n"
@@ -508,13 +513,14 @@ PyDoc_STRVAR(compact_window_doc,
              "and token ids are msgspec.Raw, their encoding: batches only to encode.  A\n"
              "WindowResult is a named tuple (batches, batches_in, batches_out, events_in,\n"
              "events_out, folded, superseded, cancelled, merged), the counts named as\n"
-             "CompactionReport's fields.\n"
+             "CompactionReport's fields.  certain: as compact_events().\n"
              "O(batches + events + block hashes).");
 
 static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
     PyObject *given;
-    int fold_only, wire = 0;
-    if (!PyArg_ParseTuple(args, "O!p|p", &PyList_Type, &given, &fold_only, &wire)) return NULL;
+    int fold_only, wire = 0, certain = 0;
+    if (!PyArg_ParseTuple(args, "O!p|pp", &PyList_Type, &given, &fold_only, &wire, &certain))
+        return NULL;
     ModState *ms = get_state(self);
     Registry *reg = &ms->reg;
     if (wire && reg->raw_type == NULL) {
@@ -567,7 +573,7 @@ static PyObject *cc_compact_window(PyObject *self, PyObject *args) {
         }
         PyObject *new = evs;
         if (!fold_only) {
-            int r = compact_group(ms, evs, &new, counts, &ask.type, wire);
+            int r = compact_group(ms, evs, &new, counts, &ask.type, wire, certain);
             if (r <= 0) {
                 Py_DECREF(ts);
                 Py_DECREF(evs);
@@ -631,7 +637,7 @@ static PyMethodDef cc_methods[] = {
     CSTRUCT_METHODS
     {"all_known", cc_all_known, METH_O, all_known_doc},
     {"register", cc_register, METH_VARARGS, register_doc},
-    {"compact_events", cc_compact_events, METH_O, compact_doc},
+    {"compact_events", cc_compact_events, METH_VARARGS, compact_doc},
     {"register_batch", cc_register_batch, METH_VARARGS, register_batch_doc},
     {"compact_window", cc_compact_window, METH_VARARGS, compact_window_doc},
     {NULL, NULL, 0, NULL},

@@ -336,7 +336,7 @@ def _latest(positions: dict[Any, int], keys: Iterable[Any]) -> int:
     return max([positions.get(k, -1) for k in keys], default=-1)
 
 
-def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
+def _gather(events: list[Any], counts: Counter[str], certain: bool = False) -> list[Any]:
     """Rule 5a, one forward pass over stores, removals and moves (no clears).
 
     O(events + hashes): each event looks up its keys, hashes and parent in
@@ -406,7 +406,7 @@ def _gather(events: list[Any], counts: Counter[str]) -> list[Any]:
                 g = _Gathered(ev)
                 g.chain = _Chain(ev)
                 sure = g.sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
-                g.chain_ok = _splittable(ev) and (sure or parent not in removed)
+                g.chain_ok = _splittable(ev) and (sure or (not certain and parent not in removed))
                 out.append(g)
             for k in keys:
                 key_any[k] = max(key_any.get(k, -1), j)
@@ -484,14 +484,15 @@ class _Chain:
         return msgspec.structs.replace(self.first, **changes)
 
 
-def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
+def _merge_chains(events: list[Any], counts: Counter[str], certain: bool = False) -> list[Any]:
     """Rule 6, one forward pass.  O(events + hashes).
 
     A chain is only started when its parent's hash was not removed earlier in
     the window, or when its parent is certainly held in the chain's own medium
     and group (a certain store of it later than every removal of it): see
     "chain" in docs/event-semantics.md for why a parent-checking subscriber
-    needs one or the other.
+    needs one or the other.  With ``certain`` (the engine stores parentless
+    copies), only the second.
     """
     out: list[Any] = []
     removed: set[Any] = set()
@@ -512,7 +513,9 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
                 chain = _Chain(ev)
                 parent = ev.parent_block_hash
                 chain_sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
-                chain_ok = _splittable(ev) and (chain_sure or parent not in removed)
+                chain_ok = _splittable(ev) and (
+                    chain_sure or (not certain and parent not in removed)
+                )
             if chain_sure:  # a chain's blocks are stored iff its first parent is held
                 for h in ev.block_hashes:
                     sure_at[(medium, group, h)] = i
@@ -531,8 +534,11 @@ def _merge_chains(events: list[Any], counts: Counter[str]) -> list[Any]:
     return out
 
 
-def compact_events(events: list[Any], move_events: bool, counts: Counter[str]) -> list[Any]:
-    """Rules 2 to 6 in Python: the specification, and the accelerator's oracle."""
+def compact_events(
+    events: list[Any], move_events: bool, counts: Counter[str], certain: bool = False
+) -> list[Any]:
+    """Rules 2 to 6 in Python: the specification, and the accelerator's oracle.
+    ``certain``: chains (rules 5a and 6) start only on a certainly held parent."""
     events = _supersede(events, counts)
     if events and event_kind(events[0]) == CLEARED:
         # A run of clears is one clear; only the last one survived _supersede.
@@ -542,9 +548,9 @@ def compact_events(events: list[Any], move_events: bool, counts: Counter[str]) -
     body = _cancel(body, counts)
     if move_events:
         body = _make_moves(body, counts)
-    body = _gather(body, counts)
+    body = _gather(body, counts, certain)
     body = _sink_removals(body, counts)
-    body = _merge_chains(body, counts)
+    body = _merge_chains(body, counts, certain)
     return head + body
 
 

@@ -370,9 +370,18 @@ class Sender:
         """:func:`compact_for_wire` (merged lists written as their encoding) unless a
         recorder reads the result or ``BlockMoved`` events are wanted."""
         move, accel = self._settings.move_events, self.accelerated
+        certain = self._settings.parentless_copies
         if self.feed is None and not move:
-            return compact_for_wire(window, fold_only=fold_only, accelerated=accel)
-        return compact(window, move_events=move, fold_only=fold_only, accelerated=accel)
+            return compact_for_wire(
+                window, fold_only=fold_only, accelerated=accel, parentless_copies=certain
+            )
+        return compact(
+            window,
+            move_events=move,
+            fold_only=fold_only,
+            accelerated=accel,
+            parentless_copies=certain,
+        )
 
     def _parts(self, batch: Any) -> list[Any]:
         """The rules on each ``max_events_per_step`` events of ``batch`` in turn (each a

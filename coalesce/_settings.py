@@ -175,6 +175,12 @@ class Settings:
     """Fold and compact under backpressure; off: always 1:1 (still never blocks)."""
     move_events: bool = _knob(False, parse_flag)
     """Emit the opt-in ``BlockMoved`` event (only for subscribers that know it)."""
+    parentless_copies: bool = _knob(False, parse_flag)
+    """The engine may store a copy of a block without naming its parent (vLLM's CPU
+    offload with ``lazy_offload``): compaction then merges a chain only under a parent
+    certainly held, so that a subscriber that starts or resets mid-stream stays exact
+    too; next to no cost on the lazy stream, but off by default since other streams
+    lose the chains that start on a block stored earlier (docs/event-semantics.md)."""
     max_pending_events: int = _knob(4_000_000, _positive_int)
     """Memory budget: events published but not yet sent, beyond which publish() drops.
     At the default, a backlog near it held about half the memory vLLM's own queue

@@ -148,18 +148,22 @@ def _picker_of(result_type: Any) -> Callable[[Any], tuple[int, ...]]:
 
 
 def _compact_events(
-    events: list[Any], move_events: bool, counts: Counter[str], accel: Any = _accel
+    events: list[Any],
+    move_events: bool,
+    counts: Counter[str],
+    accel: Any = _accel,
+    parentless_copies: bool = False,
 ) -> list[Any]:
     """Rules 2 to 6 on one folded group: in C when ``accel`` (the accelerator, or None)
     takes the window."""
     if accel is not None and not move_events:
-        result = _accelerated(events)
+        result = _accelerated(events, parentless_copies)
         if result is not None:  # (the C result's counts are named as the report's fields)
             counts["superseded"] += result.superseded
             counts["cancelled"] += result.cancelled
             counts["merged"] += result.merged
             return result.events
-    return compact_events(events, move_events, counts)
+    return compact_events(events, move_events, counts, parentless_copies)
 
 
 def accelerated() -> bool:
@@ -213,7 +217,7 @@ def compactable(batch: Any) -> bool:
     return _is_kv_batch(batch)
 
 
-def _accelerated(events: list[Any]) -> GroupResult | None:
+def _accelerated(events: list[Any], parentless_copies: bool = False) -> GroupResult | None:
     """The C rules' result, or None for a window they decline.  O(events + hashes).
 
     The first window holding a class unknown to the accelerator registers it
@@ -223,7 +227,7 @@ def _accelerated(events: list[Any]) -> GroupResult | None:
     assert _accel is not None
     tried: set[type] = set()
     while True:
-        result = _accel.compact_events(events)
+        result = _accel.compact_events(events, parentless_copies)
         if not isinstance(result, type):
             return result  # type: ignore[no-any-return]
         if result in tried:
@@ -233,7 +237,7 @@ def _accelerated(events: list[Any]) -> GroupResult | None:
 
 
 def _accelerated_window(
-    batches: list[Any], fold_only: bool, wire: bool = False
+    batches: list[Any], fold_only: bool, wire: bool = False, parentless_copies: bool = False
 ) -> WindowResult | None:
     """The C driver's result for a whole window (fold, then each group's rules),
     or None for a window it declines.  O(batches + events + hashes).
@@ -244,7 +248,7 @@ def _accelerated_window(
     assert _accel is not None
     tried: set[type] = set()
     while True:
-        result = _accel.compact_window(batches, fold_only, wire)
+        result = _accel.compact_window(batches, fold_only, wire, parentless_copies)
         if type(result) is not tuple:  # a WindowResult (a named tuple), or None
             return result  # type: ignore[no-any-return]
         code, cls = result
@@ -281,6 +285,7 @@ def compact(
     move_events: bool = False,
     fold_only: bool = False,
     accelerated: bool = True,
+    parentless_copies: bool = False,
 ) -> tuple[list[Any], CompactionReport]:
     """Compact a window of pending batches; return the batches to send instead.
 
@@ -301,12 +306,22 @@ def compact(
     declines); with ``fold_only`` it is one list concatenation per group.
     docs/benchmarks.md has both measured against encoding.  ``accelerated=False``:
     the pure-Python rules even where the C ones are built (an A/B, or an oracle).
+
+    ``parentless_copies``: the engine may store a copy of a block without naming
+    its parent while another store of the same hash names one (vLLM's CPU
+    offload with ``lazy_offload``).  Chains then start only on a parent
+    certainly held, which keeps a subscriber that starts or resets mid-stream
+    exact too, at a cost in compaction ("chain" in docs/event-semantics.md).
     """
-    return _compact(batches, move_events, fold_only, wire=False, accel=_use(accelerated))
+    return _compact(batches, move_events, fold_only, False, _use(accelerated), parentless_copies)
 
 
 def compact_for_wire(
-    batches: Sequence[Any], *, fold_only: bool = False, accelerated: bool = True
+    batches: Sequence[Any],
+    *,
+    fold_only: bool = False,
+    accelerated: bool = True,
+    parentless_copies: bool = False,
 ) -> tuple[list[Any], CompactionReport]:
     """:func:`compact` without moves, for a caller that only encodes the result.
 
@@ -319,9 +334,9 @@ def compact_for_wire(
     for a window it declines, the result is :func:`compact`'s.
 
     Cost: as :func:`compact`; the concatenated lists' elements are written as
-    bytes, once.
+    bytes, once.  ``parentless_copies``: as :func:`compact`.
     """
-    return _compact(batches, False, fold_only, wire=True, accel=_use(accelerated))
+    return _compact(batches, False, fold_only, True, _use(accelerated), parentless_copies)
 
 
 def _use(accelerated: bool) -> ModuleType | None:
@@ -330,18 +345,27 @@ def _use(accelerated: bool) -> ModuleType | None:
 
 
 def _compact(
-    batches: Sequence[Any], move_events: bool, fold_only: bool, wire: bool, accel: Any
+    batches: Sequence[Any],
+    move_events: bool,
+    fold_only: bool,
+    wire: bool,
+    accel: Any,
+    parentless_copies: bool,
 ) -> tuple[list[Any], CompactionReport]:
     if accel is not None and not move_events and type(batches) is list:
-        r = _accelerated_window(batches, fold_only, wire)
+        r = _accelerated_window(batches, fold_only, wire, parentless_copies)
         if r is not None:  # its counts picked by name (_c_counts)
             pick = _pickers.get(type(r)) or _picker_of(type(r))
             return r.batches, CompactionReport(*pick(r))
-    return _compact_py(batches, move_events, fold_only, accel)
+    return _compact_py(batches, move_events, fold_only, accel, parentless_copies)
 
 
 def _compact_py(
-    batches: Sequence[Any], move_events: bool, fold_only: bool, accel: Any = None
+    batches: Sequence[Any],
+    move_events: bool,
+    fold_only: bool,
+    accel: Any = None,
+    parentless_copies: bool = False,
 ) -> tuple[list[Any], CompactionReport]:
     """:func:`compact`'s driver in Python: the fallback for windows the C one
     declines (and for moves), and its oracle.  Each group's rules still run in C
@@ -377,7 +401,11 @@ def _compact_py(
         events: list[Any] = []
         for b in batches[i:j]:
             events.extend(b.events)
-        new = events if fold_only else _compact_events(events, move_events, counts, accel)
+        new = (
+            events
+            if fold_only
+            else _compact_events(events, move_events, counts, accel, parentless_copies)
+        )
         if (
             j == i + 1
             and len(new) == len(first.events)

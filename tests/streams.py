@@ -175,6 +175,63 @@ def offload_runs(draw: Any) -> list[Any]:
     return out
 
 
+@st.composite
+def lazy_runs(draw: Any) -> list[Any]:
+    """vLLM's lazy CPU offload: a GPU chain stored block by block under its parents
+    (from a root, or from a parent stored before the window), CPU copies stored with
+    no parent and no tokens (one or two blocks each, so a CPU key is held whatever
+    its parent's state: the parentless copy behind the lazy window), GPU and CPU
+    removals, GPU stores again under their parent (a block loaded back, perhaps while
+    its parent is missing), clears.  In vLLM's order, or shuffled."""
+    c = draw(st.integers(0, CHAINS - 1))
+    d = draw(st.sampled_from((0, 1, 1, 2)))
+    group = draw(GROUP_CHOICE)
+    tokens, extra = draw(st.booleans()), draw(st.booleans())
+    hs = hashes_from(c, d, DEPTH)
+    ops: list[tuple[str, int]] = [("gpu", h) for h in hs]
+    kinds = st.sampled_from(("cpu", "cpu", "cpu", "gpu", "gpu-", "gpu-", "cpu-", "clear"))
+    for op in draw(st.lists(st.tuples(kinds, st.sampled_from(hs)), max_size=8)):
+        ops.insert(draw(st.integers(0, len(ops))), op)
+    if draw(st.integers(0, 3)) == 0:
+        ops = draw(st.permutations(ops))
+    out: list[Any] = []
+    for op, h in ops:
+        if op == "gpu":
+            out.append(_one_block(h, "GPU", group, tokens, extra))
+        elif op == "cpu":
+            run = hashes_from(c, h % 100, draw(st.integers(1, 2)))
+            out.append(
+                BlockStored(
+                    block_hashes=run,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=BLOCK,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                    extra_keys=[("salt", x) for x in run] if extra else None,
+                    group_idx=group,
+                )
+            )
+        elif op == "clear":
+            out.append(AllBlocksCleared())
+        else:
+            out.append(BlockRemoved(block_hashes=[h], medium=op[:3].upper(), group_idx=group))
+    return out
+
+
+lazy_lists = st.lists(
+    st.one_of(
+        lazy_runs(),
+        lazy_runs(),
+        stores().map(lambda e: [e]),
+        removals.map(lambda e: [e]),
+    ),
+    min_size=1,
+    max_size=4,
+).map(lambda chunks: [e for c in chunks for e in c])
+
+
 offload_lists = st.lists(
     st.one_of(
         offload_runs(),
@@ -250,6 +307,26 @@ def closed_any_medium_state(draw: Any) -> Counter[Any]:
             if not any(k[2] == p for k in out):
                 out[(draw(st.sampled_from(MEDIA)), draw(st.sampled_from(GROUPS)), p)] = 1
             p = parent_of(p)
+    return out
+
+
+@st.composite
+def lazy_closed_state(draw: Any) -> Counter[Any]:
+    """A start state a stream with vLLM's lazy offload leaves: every held block with a
+    recorded parent has that parent held (a GPU block's in the GPU, its group), while
+    a CPU block may be a parentless copy, held with its parent missing in every
+    medium (its CPU store named no parent).  Closed in that weaker sense, for llm-d
+    and Dynamo alike; not :func:`closed_state`'s."""
+    gpu_keys = st.sampled_from([k for k in ALL_KEYS if k[0] == "GPU"])
+    gpu = draw(st.dictionaries(gpu_keys, st.integers(1, 2), max_size=6))
+    out: Counter[Any] = Counter(gpu)
+    for (m, g, h), _ in gpu.items():
+        p = parent_of(h)
+        while p is not None:
+            out[(m, g, p)] = max(out[(m, g, p)], 1)
+            p = parent_of(p)
+    cpu_keys = st.sampled_from([k for k in ALL_KEYS if k[0] == "CPU"])
+    out.update(draw(st.dictionaries(cpu_keys, st.integers(1, 2), min_size=1, max_size=6)))
     return out
 
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from coalesce import _rules, compactor
 from coalesce.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from coalesce_tools.workload import Engine, WorkloadConfig
-from tests.streams import batch_lists, offload_lists
+from tests.streams import batch_lists, lazy_lists, offload_lists
 
 if compactor._accel is None:
     if os.environ.get("COALESCE_REQUIRE_ACCEL"):
@@ -154,17 +154,19 @@ def declined_windows(draw: Any) -> list[Any]:
     return draw(st.permutations(events))
 
 
-def both(events: list[Any]) -> tuple[list[Any], Counter[str], list[Any], Counter[str]]:
+def both(
+    events: list[Any], certain: bool = False
+) -> tuple[list[Any], Counter[str], list[Any], Counter[str]]:
     c_counts: Counter[str] = Counter()
     py_counts: Counter[str] = Counter()
-    out_c = compactor._compact_events(list(events), False, c_counts)
-    out_py = _rules.compact_events(list(events), False, py_counts)
+    out_c = compactor._compact_events(list(events), False, c_counts, parentless_copies=certain)
+    out_py = _rules.compact_events(list(events), False, py_counts, certain)
     return out_c, c_counts, out_py, py_counts
 
 
-def assert_same(events: list[Any]) -> None:
+def assert_same(events: list[Any], certain: bool = False) -> None:
     before = copy.deepcopy(events)
-    out_c, c_counts, out_py, py_counts = both(events)
+    out_c, c_counts, out_py, py_counts = both(events, certain)
     assert out_c == out_py
     assert [type(e) for e in out_c] == [type(e) for e in out_py]
     assert +c_counts == +py_counts
@@ -199,6 +201,25 @@ def test_offload_streams_match_the_python_rules(events: list[Any]) -> None:
     """vLLM's eager offload shapes, where chains start on a parent certainly held."""
     assert compactor._accelerated(list(events)) is not None
     assert_same(events)
+
+
+@given(lazy_lists, st.booleans())
+def test_lazy_streams_match_the_python_rules(events: list[Any], certain: bool) -> None:
+    """vLLM's lazy offload shapes (parentless CPU copies, GPU stores under parents
+    that may be missing, loads back), with ``parentless_copies`` and without."""
+    assert compactor._accelerated(list(events), certain) is not None
+    assert_same(events, certain)
+
+
+@given(batch_lists(), st.booleans())
+def test_windows_with_parentless_copies_match_the_python_driver(
+    batches: list[Any], certain: bool
+) -> None:
+    """The C driver (one call per window) against the Python one, with the flag."""
+    c = compactor.compact(batches, parentless_copies=certain)
+    py = compactor.compact(batches, accelerated=False, parentless_copies=certain)
+    assert [b.events for b in c[0]] == [b.events for b in py[0]]
+    assert c[1] == py[1]
 
 
 @given(declined_windows())

@@ -221,6 +221,25 @@ def test_compaction_under_backlog_keeps_seqs_contiguous_and_state_exact(pubs, ma
     assert_every_model_agrees(batches, received)
 
 
+@pytest.mark.parametrize("parentless_copies", [False, True])
+def test_the_parentless_copies_setting_reaches_the_senders_rules(pubs, make_sub, parentless_copies):
+    """GPU stores down a chain whose first parent was stored before the window: merged
+    into one store by default, kept apart with ``parentless_copies`` (the start the
+    rules need when the engine stores parentless copies, vLLM's lazy offload)."""
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    p = pubs(endpoint=ep, high_watermark=1, parentless_copies=parentless_copies)
+    chain = [batch(store(h, h - 1)) for h in range(5, 9)]
+    st, msgs = sent_while_held(p, sub, chain)
+    assert st.compaction_passes > 0 and st.batches_dropped == 0
+    sent = [e for m in msgs for e in decode(m[2]).events]
+    if parentless_copies:
+        assert [e.block_hashes for e in sent] == [[5], [6], [7], [8]]
+    else:
+        assert [e.block_hashes for e in sent] == [[5, 6, 7, 8]]
+    assert_every_model_agrees(chain, [decode(m[2]) for m in msgs])
+
+
 def test_burst_over_budget_drops_visibly_and_never_blocks(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
