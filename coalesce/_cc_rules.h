@@ -128,6 +128,13 @@ static inline int sure_parent(const Window *w, int32_t parent, int32_t mg, const
     return key_sure[kid] > key_rem[kid];
 }
 
+/* Whether a chain may start on store s (`sure`: its parent certainly held; `removed`:
+ * hashes removed earlier in the window): rules 5a and 6 alike
+ * (coalesce._rules._chain_may_start). */
+static inline int chain_may_start(const Window *w, const Src *s, int sure, const char *removed) {
+    return s->splittable && (sure || (!w->certain && !(s->parent >= 0 && removed[s->parent])));
+}
+
 static inline int32_t max32(int32_t a, int32_t b) { return a > b ? a : b; }
 
 /* Item i joins group j (its last member so far). */
@@ -248,9 +255,7 @@ static int rule_gather(Window *w, const Item *in, Py_ssize_t nin, const SegVec *
             j = group_start(groups, &ng, i);
             int sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
             groups[j].sure = (char)sure;
-            groups[j].chain_ok = (char)(s->splittable &&
-                                        (sure || (!w->certain &&
-                                                  !(s->parent >= 0 && removed[s->parent]))));
+            groups[j].chain_ok = (char)chain_may_start(w, s, sure, removed);
         }
         for (int32_t p = g.start; p < g.end; p++) {
             Py_ssize_t kid = KID(w, hids[p], s->mg);
@@ -469,8 +474,7 @@ static int rule_chain(Window *w, const Item *in, Py_ssize_t nin, const SegVec *i
             first = s;
             last = tail;
             chain_sure = sure_parent(w, s->parent, s->mg, key_sure, key_rem);
-            chain_ok = s->splittable &&
-                       (chain_sure || (!w->certain && !(s->parent >= 0 && removed[s->parent])));
+            chain_ok = chain_may_start(w, s, chain_sure, removed);
             if (chain_sure) mark_sure(w, it, gs, key_sure, (int32_t)i);
             continue;
         }

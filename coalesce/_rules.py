@@ -331,6 +331,14 @@ def _sure_parent(
     return parent is None or sure_at.get(key, -1) > removed_at.get(key, -1)
 
 
+def _chain_may_start(ev: Any, sure: bool, removed: set[Any], certain: bool) -> bool:
+    """Whether a chain may start on the store ``ev`` (rules 5a and 6 alike): it can be
+    split, and its parent is certainly held (``sure``) or, unless ``certain`` (the
+    engine stores parentless copies), its parent's hash was not removed earlier in
+    the window (``removed``).  O(1)."""
+    return _splittable(ev) and (sure or (not certain and ev.parent_block_hash not in removed))
+
+
 def _latest(positions: dict[Any, int], keys: Iterable[Any]) -> int:
     """The latest of ``keys``' positions, -1 for none.  O(keys)."""
     return max([positions.get(k, -1) for k in keys], default=-1)
@@ -406,7 +414,7 @@ def _gather(events: list[Any], counts: Counter[str], certain: bool = False) -> l
                 g = _Gathered(ev)
                 g.chain = _Chain(ev)
                 sure = g.sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
-                g.chain_ok = _splittable(ev) and (sure or (not certain and parent not in removed))
+                g.chain_ok = _chain_may_start(ev, sure, removed, certain)
                 out.append(g)
             for k in keys:
                 key_any[k] = max(key_any.get(k, -1), j)
@@ -513,9 +521,7 @@ def _merge_chains(events: list[Any], counts: Counter[str], certain: bool = False
                 chain = _Chain(ev)
                 parent = ev.parent_block_hash
                 chain_sure = _sure_parent(parent, (medium, group, parent), sure_at, removed_at)
-                chain_ok = _splittable(ev) and (
-                    chain_sure or (not certain and parent not in removed)
-                )
+                chain_ok = _chain_may_start(ev, chain_sure, removed, certain)
             if chain_sure:  # a chain's blocks are stored iff its first parent is held
                 for h in ev.block_hashes:
                     sure_at[(medium, group, h)] = i
