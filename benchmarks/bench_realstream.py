@@ -17,7 +17,11 @@ of W batches and each window goes through ``coalesce.compactor.compact``:
 - cost: ``compact_for_wire`` + encoding its output (what the sender's rules
   level runs), and ``compact`` + encode with the C rules and with the
   pure-Python rules, each per input event, against encoding the same batches
-  one by one (``raw``); timed in alternation, medians.
+  one by one (``raw``); timed in alternation, medians.  Then where the time
+  goes: encoding only the windows' hash lists, and only their token lists
+  (what is left of ``raw`` is the events' other fields); and the C wire path
+  in its two parts, the rules alone (the merged lists written as bytes
+  included) and encoding what they return.
 
 The volume table's fifth column counts CPU stores of one hash left in the
 output: the cause of larger windows keeping more events (docs/vllm-engine.md).
@@ -104,6 +108,11 @@ def volume(batches: list[Any], w: int, parentless_copies: bool = False) -> dict[
     }
 
 
+def _has(ev: Any, name: str) -> bool:
+    """``ev`` has the list field ``name`` (not None, not absent)."""
+    return isinstance(getattr(ev, name, None), list)
+
+
 def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, float]:
     """ns per input event of each path over every window of ``w`` batches (medians)."""
     enc = msgspec.msgpack.Encoder()
@@ -125,12 +134,28 @@ def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, f
     def rules_py(win: Window) -> Any:
         return [enc.encode(b) for b in compactor.compact(win, accelerated=False)[0]]
 
-    paths = {"raw": raw, "rules C wire": wire, "rules C": rules_c, "rules py": rules_py}
+    # where the time goes: the raw encode's hash and token lists alone, and the
+    # C wire path cut in two (the rules alone, then encoding what they return)
+    hashes = [
+        [e.block_hashes for b in win for e in b.events if _has(e, "block_hashes")] for win in wins
+    ]
+    tokens = [[e.token_ids for b in win for e in b.events if _has(e, "token_ids")] for win in wins]
+    outs = [compactor.compact_for_wire(win)[0] for win in wins] if compactor.accelerated() else []
+
+    paths = {
+        "raw": over(raw),
+        "rules C wire": over(wire),
+        "rules C": over(rules_c),
+        "rules py": over(rules_py),
+        "raw: hash lists": lambda: [enc.encode(h) for h in hashes],
+        "raw: token lists": lambda: [enc.encode(t) for t in tokens],
+        "C wire: rules alone": over(compactor.compact_for_wire),
+        "C wire: encode out": lambda: [enc.encode(b) for out in outs for b in out],
+    }
     if not compactor.accelerated():
-        del paths["rules C wire"], paths["rules C"]
-    per = alternate(
-        {k: over(fn) for k, fn in paths.items()}, events, seconds, rounds, slow={"rules py": 10}
-    )
+        for k in ("rules C wire", "rules C", "C wire: rules alone", "C wire: encode out"):
+            del paths[k]
+    per = alternate(paths, events, seconds, rounds, slow={"rules py": 10})
     return {k: round(v * 1e9, 1) for k, v in per.items()}
 
 
@@ -179,14 +204,20 @@ def main(figures: dict[str, Any]) -> None:
             "C+enc",
             "py+enc",
             "C wire / raw",
+            "raw: hash lists / token lists",
+            "C wire: rules alone / encode out",
         )
         gc.freeze()
         for w in COST_WINDOWS:
             c = cost(batches, w, args.seconds, args.rounds)
             costs[w] = c
+            raw = c["raw"]
             wire = c.get("rules C wire")
-            ratio = f"{wire / c['raw']:.2f}x" if wire else "n/a"
-            row(w, c["raw"], wire, c.get("rules C"), c["rules py"], ratio)
+            ratio = f"{wire / raw:.2f}x" if wire else "n/a"
+            lists = f"{c['raw: hash lists'] / raw:.2f}x / {c['raw: token lists'] / raw:.2f}x"
+            alone, out = c.get("C wire: rules alone"), c.get("C wire: encode out")
+            split = f"{alone / raw:.2f}x / {out / raw:.2f}x" if alone and out else "n/a"
+            row(w, raw, wire, c.get("rules C"), c["rules py"], ratio, lists, split)
         gc.unfreeze()
         figures[offload] = {
             "stream": shape,
