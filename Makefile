@@ -77,12 +77,12 @@ lint: $(STAMP)            ## ruff + mypy --strict
 	$(BIN)/mypy
 
 SAN := -fsanitize=address,undefined -fno-omit-frame-pointer
-check-c: $(STAMP)         ## the C accelerators under ASan and UBSan (compaction, recorder, send, fuzz suites)
+check-c: $(STAMP)         ## the C accelerators under ASan and UBSan (compaction, recorder, fused encoder, send, fuzz suites)
 	CFLAGS="-g $(SAN)" LDFLAGS="$(SAN)" $(BIN)/python -m pip install -q --no-deps -e .
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	$(BIN)/python -m pytest -q tests/test_accel.py tests/test_fuzz.py tests/test_compactor.py \
-		tests/test_recorder.py tests/test_recorder_c.py tests/test_snapshot.py \
+		tests/test_recorder.py tests/test_recorder_c.py tests/test_fused.py tests/test_snapshot.py \
 		tests/test_layout.py \
 		tests/test_wire.py; \
 	status=$$?; $(BIN)/python -m pip install -q --no-deps -e .; exit $$status

@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 
 _PARTS = {
     "_ccompact": [f"coalesce/_cc_{part}.h" for part in ("ids", "read", "rules", "build")],
-    "_crecord": ["coalesce/_cr_table.h"],
+    "_crecord": ["coalesce/_cr_table.h", "coalesce/_cr_encode.h"],
 }
 """The parts a module's .c file includes (one translation unit)."""
 

@@ -109,57 +109,6 @@ fail:
  * cost more than a short list and its encoding. */
 #define WIRE_MIN 32
 
-/* An int as msgspec encodes it (the shortest uint form; for a negative one the
- * shortest int form) at p, which has room for 9 bytes: the end, or NULL for an
- * int msgspec refuses (past 64 bits) or that is not an exact int. */
-static inline unsigned char *put_int(unsigned char *p, PyObject *x) {
-    uint64_t u;
-    if (long_u64(x, &u)) {
-        if (u < 128) {
-            *p++ = (unsigned char)u;
-        } else if (u < 256) {
-            *p++ = 0xcc;
-            *p++ = (unsigned char)u;
-        } else if (u < 65536) {
-            *p++ = 0xcd;
-            *p++ = (unsigned char)(u >> 8);
-            *p++ = (unsigned char)u;
-        } else if (u < ((uint64_t)1 << 32)) {
-            *p++ = 0xce;
-            for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(u >> i);
-        } else {
-            *p++ = 0xcf;
-            for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(u >> i);
-        }
-        return p;
-    }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-    if (v == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return NULL;
-    }
-    if (overflow || v >= 0) return NULL;
-    uint64_t b = (uint64_t)v;
-    if (v >= -32) {
-        *p++ = (unsigned char)(0xe0 | (b & 0x1f));
-    } else if (v >= -128) {
-        *p++ = 0xd0;
-        *p++ = (unsigned char)b;
-    } else if (v >= -32768) {
-        *p++ = 0xd1;
-        *p++ = (unsigned char)(b >> 8);
-        *p++ = (unsigned char)b;
-    } else if (v >= -((long long)1 << 31)) {
-        *p++ = 0xd2;
-        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
-    } else {
-        *p++ = 0xd3;
-        for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
-    }
-    return p;
-}
-
 /* concat_field's list, written as its msgpack encoding and wrapped in a
  * msgspec.Raw (which msgspec writes as it is): no list is built, and no
  * element referenced.  Elements are exact ints (as msgspec writes them) or

@@ -31,6 +31,13 @@
  * moves the state to the Python recorder, which applies it or raises).
  * AllBlocksCleared is applied here.
  *
+ * State.encode_record(batch, max_blocks): the batch encoded as msgspec's
+ * Encoder() encodes it (_cr_encode.h: the shapes and values it writes) and
+ * its events read into ops as record() reads them, each event read once for
+ * both; then the ops applied as above.  It declines (None, nothing recorded,
+ * not even a scope interned) where record() would stop, or at a class or
+ * value it does not write.
+ *
  * State.walk(...) -> Walk: the replay program, a chunk per next() (the
  * Python recorder's chunks(), the same events in the same chunks).
  * State.export() -> (live, sources, refs, n): the state in the Python
@@ -76,6 +83,8 @@ static TypeInfo *find_type(PyTypeObject *tp) {
         if (g_types[i].type == tp) return &g_types[i];
     return NULL;
 }
+
+#include "_cr_encode.h"
 
 /* ---- the state ------------------------------------------------------------ */
 
@@ -153,8 +162,11 @@ typedef struct {
     ScopeCache cache[NCACHE]; /* the last scopes looked up (cleared with the scopes) */
     int cache_next, cache_last; /* the slot replaced next (never the last hit); the last hit */
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
-    long long nbatches, nevents;   /* given to record_batch() */
+    long long nbatches, nevents;   /* given to record_batch() or taken by encode_record() */
+    long long nencoded;            /* batches encode_record() took */
+    PyTypeObject *declined;        /* borrowed: the class encode_record() last declined */
     Py_ssize_t at;                 /* the batch record_batches() was at */
+    Out out;                       /* encode_record()'s bytes */
 } State;
 
 static PyTypeObject State_Type;
@@ -1032,6 +1044,126 @@ static PyObject *State_record_batches(State *st, PyObject *const *args, Py_ssize
     return Py_BuildValue("(nl)", j, r);
 }
 
+/* Forget the scopes interned from id `from` on (by a read whose ops were
+ * dropped: no key or source names them). */
+static void unintern_scopes(State *st, uint32_t from) {
+    for (int k = 0; k < NCACHE; k++)
+        if (st->cache[k].valid && st->cache[k].id >= from) cache_clear(&st->cache[k]);
+    while (st->nscopes > from) {
+        PyObject *t = st->scopes[--st->nscopes];
+        if (PyDict_DelItem(st->scope_ids, t) < 0) PyErr_Clear();
+        Py_DECREF(t);
+    }
+}
+
+PyDoc_STRVAR(encode_record_doc,
+             "encode_record(batch, max_blocks) -> bytes | (bytes,) | None\n\n"
+             "The batch encoded as msgspec.msgpack.Encoder().encode(batch) encodes it\n"
+             "(coalesce/_cr_encode.h says for which shapes), and its events recorded as\n"
+             "record_batch() records them, in one pass over the events: the bytes, or\n"
+             "(bytes,) when the counts' sum or the kept hashes then exceed max_blocks.\n"
+             "None when it declines the batch (a class without a layout: `declined`;\n"
+             "a value it does not write; an event record() stops at): then nothing was\n"
+             "recorded nor counted, and the caller encodes and records it as before.");
+
+static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "encode_record(batch, max_blocks)");
+        return NULL;
+    }
+    long long max_blocks = PyLong_AsLongLong(args[1]);
+    if (max_blocks == -1 && PyErr_Occurred()) return NULL;
+    if (!check_free(st)) return NULL;
+    PyObject *batch = args[0];
+    st->declined = NULL;
+    const BatchLayout *bl = find_batch(Py_TYPE(batch));
+    if (bl == NULL) {
+        st->declined = Py_TYPE(batch);
+        Py_RETURN_NONE;
+    }
+    PyObject *ts = FIELD(batch, bl->off[0]), *events = FIELD(batch, bl->off[1]);
+    if (ts == NULL || events == NULL || !PyList_CheckExact(events)) Py_RETURN_NONE;
+    Out *o = &st->out;
+    o->n = 0;
+    if (!out_room(o, 1)) return PyErr_NoMemory();
+    o->p[o->n++] = 0x93; /* [ts, events, rank] */
+    Py_ssize_t nev = PyList_GET_SIZE(events);
+    if (!put_value(o, ts, 0) || !put_len(o, (size_t)nev, 0x90, 16, 0xdc, 0xdd))
+        Py_RETURN_NONE;
+    Py_INCREF(events);
+    st->ops.item = sizeof(Op);
+    uint32_t nscopes = st->nscopes;
+    const TypeInfo *ti = NULL;
+    const EncInfo *e = NULL;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < nev; i++) {
+        /* (reading an event may run Python code, which may change the list) */
+        if (PyList_GET_SIZE(events) != nev) {
+            ok = 0;
+            break;
+        }
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        if (ti == NULL || ti->type != Py_TYPE(ev)) {
+            ti = find_type(Py_TYPE(ev));
+            e = ti == NULL ? NULL : &g_enc[ti - g_types];
+        }
+        if (e == NULL || !e->set) {
+            st->declined = Py_TYPE(ev);
+            ok = 0;
+            break;
+        }
+        if (!put_event(o, ev, e)) {
+            ok = 0;
+            break;
+        }
+        if (ti->kind == K_OPAQUE) continue;
+        if (ti->kind != K_STORED && ti->kind != K_REMOVED) { /* a clear, a move: record() */
+            ok = 0;
+            break;
+        }
+        int r = read_event(st, ev, ti);
+        if (r <= 0) {
+            PyErr_Clear();
+            ok = 0;
+            break;
+        }
+    }
+    if (ok) { /* (read now: reading the events may have run Python code) */
+        PyObject *rank = FIELD(batch, bl->off[2]);
+        ok = rank != NULL && put_value(o, rank, 0);
+    }
+    if (!ok) {
+        st->store_ops = st->store_hashes = 0;
+        finish(st); /* the ops read so far dropped, not applied */
+        unintern_scopes(st, nscopes);
+        Py_DECREF(events);
+        Py_RETURN_NONE;
+    }
+    st->nbatches++;
+    st->nevents += nev;
+    st->nencoded++;
+    int applied = flush(st);
+    Py_DECREF(events);
+    if (!applied) return NULL;
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)o->p, (Py_ssize_t)o->n);
+    if (o->cap > ((size_t)1 << 22)) { /* (a huge batch's buffer is not kept) */
+        free(o->p);
+        o->p = NULL;
+        o->n = o->cap = 0;
+    }
+    if (bytes == NULL || max_blocks < 0 || (st->counts <= max_blocks && st->kept <= max_blocks))
+        return bytes;
+    PyObject *over = PyTuple_Pack(1, bytes);
+    Py_DECREF(bytes);
+    return over;
+}
+
+static PyObject *State_declined(State *st, void *closure) {
+    PyObject *d = st->declined == NULL ? Py_None : (PyObject *)st->declined;
+    return Py_NewRef(d);
+}
+static PyObject *State_encoded(State *st, void *closure) { return PyLong_FromLongLong(st->nencoded); }
+
 static PyObject *State_clear(State *st, PyObject *unused) {
     if (!check_free(st)) return NULL;
     forget(st);
@@ -1594,8 +1726,11 @@ static void state_init_fields(State *st) {
     memset(&st->cache, 0, sizeof(st->cache));
     st->cache_next = st->cache_last = 0;
     st->store_ops = st->store_hashes = 0;
-    st->nbatches = st->nevents = 0;
+    st->nbatches = st->nevents = st->nencoded = 0;
     st->at = 0;
+    st->declined = NULL;
+    st->out.p = NULL;
+    st->out.n = st->out.cap = 0;
     publish(st);
 }
 
@@ -1627,6 +1762,7 @@ static void State_dealloc(State *st) {
     vec_free(&st->grave);
     vec_free(&st->stack);
     vec_free(&st->depbuf);
+    free(st->out.p);
     Py_XDECREF(st->scope_ids);
     Py_XDECREF(st->intern_ids);
     Py_TYPE(st)->tp_free((PyObject *)st);
@@ -1638,6 +1774,8 @@ static PyMethodDef State_methods[] = {
      record_batch_doc},
     {"record_batches", (PyCFunction)(void (*)(void))State_record_batches, METH_FASTCALL,
      record_batches_doc},
+    {"encode_record", (PyCFunction)(void (*)(void))State_encode_record, METH_FASTCALL,
+     encode_record_doc},
     {"clear", (PyCFunction)State_clear, METH_NOARGS,
      "clear() -> None: forget everything (its events released a slice a later call)."},
     {"sweep", (PyCFunction)State_sweep, METH_O,
@@ -1650,6 +1788,8 @@ static PyMethodDef State_methods[] = {
 
 static PyGetSetDef State_getset[] = {
     {"stopped", (getter)State_stopped, NULL, "why the last record() stopped", NULL},
+    {"declined", (getter)State_declined, NULL, "the class encode_record() last declined, or None", NULL},
+    {"encoded", (getter)State_encoded, NULL, "batches encode_record() took", NULL},
     {"batches", (getter)State_batches, NULL, "batches given to record_batch()", NULL},
     {"at", (getter)State_at, NULL, "the batch record_batches() was at", NULL},
     {"events", (getter)State_events, NULL, "their events", NULL},
@@ -1720,6 +1860,8 @@ static PyObject *cr_set_nogil_from(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"register", cr_register, METH_VARARGS, register_doc},
+    {"set_layout", cr_set_layout, METH_VARARGS, set_layout_doc},
+    {"register_batch", cr_register_batch, METH_O, register_batch_doc},
     {"set_nogil_from", cr_set_nogil_from, METH_O,
      "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
      "never); the previous setting (for benchmarks)."},

@@ -1,6 +1,6 @@
-/* Reading msgspec structs' fields at their slot offsets, and block hashes as
- * 64-bit values (for _ccompact.c and its parts).  Header-only (static
- * functions). */
+/* Reading msgspec structs' fields at their slot offsets, block hashes as
+ * 64-bit values, and an int written as msgspec writes it (for _ccompact.c,
+ * _crecord.c and their parts).  Header-only (static functions). */
 #ifndef COALESCE_CSTRUCT_H
 #define COALESCE_CSTRUCT_H
 
@@ -62,6 +62,57 @@ static inline int long_u64(PyObject *h, uint64_t *out) {
     *out = (uint64_t)x;
     return 1;
 #endif
+}
+
+/* An int as msgspec encodes it (the shortest uint form; for a negative one the
+ * shortest int form) at p, which has room for 9 bytes: the end, or NULL for an
+ * int msgspec refuses (past 64 bits) or that is not an exact int. */
+static inline unsigned char *put_int(unsigned char *p, PyObject *x) {
+    uint64_t u;
+    if (long_u64(x, &u)) {
+        if (u < 128) {
+            *p++ = (unsigned char)u;
+        } else if (u < 256) {
+            *p++ = 0xcc;
+            *p++ = (unsigned char)u;
+        } else if (u < 65536) {
+            *p++ = 0xcd;
+            *p++ = (unsigned char)(u >> 8);
+            *p++ = (unsigned char)u;
+        } else if (u < ((uint64_t)1 << 32)) {
+            *p++ = 0xce;
+            for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(u >> i);
+        } else {
+            *p++ = 0xcf;
+            for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(u >> i);
+        }
+        return p;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (overflow || v >= 0) return NULL;
+    uint64_t b = (uint64_t)v;
+    if (v >= -32) {
+        *p++ = (unsigned char)(0xe0 | (b & 0x1f));
+    } else if (v >= -128) {
+        *p++ = 0xd0;
+        *p++ = (unsigned char)b;
+    } else if (v >= -32768) {
+        *p++ = 0xd1;
+        *p++ = (unsigned char)(b >> 8);
+        *p++ = (unsigned char)b;
+    } else if (v >= -((long long)1 << 31)) {
+        *p++ = 0xd2;
+        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
+    } else {
+        *p++ = 0xd3;
+        for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
+    }
+    return p;
 }
 
 /* Layout probes, exported by both modules for coalesce/_layout.py, which runs

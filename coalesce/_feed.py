@@ -92,6 +92,18 @@ class Feed:
         if self._gathered_events >= self._window:
             self.settle()
 
+    def encode(self, batch: Any) -> bytes | None:
+        """``batch`` encoded (as msgspec encodes it) and recorded in one pass
+        (:meth:`Recorder.encode`), when nothing gathered or deferred waits before
+        it and no walk runs; else None, nothing recorded: encode it and
+        :meth:`record` it apart.  O(events + hashes)."""
+        if self._walk is not None or self._gathered or self._window > 0:
+            return None
+        payload = self.recorder.encode(batch)
+        if self.recorder.valid != self._was_valid:
+            self._say()
+        return payload
+
     def settle(self) -> None:
         """Record what was gathered, in windows of about ``record_window`` events,
         each as the compactor's output of it (as it was, where the rules cannot

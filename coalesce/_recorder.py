@@ -55,7 +55,11 @@ of many hashes or ones that grow or shrink it; the program is written from
 it by a C walk, a chunk per ``next()``, in the same chunks.  The Python code
 here is its fallback (not built, ``COALESCE_NO_ACCEL=1``, or a layout the C
 code would misread) and the tests' oracle (tests/test_recorder.py and
-tests/test_recorder_c.py run both and compare them).  An event the C loop
+tests/test_recorder_c.py run both and compare them).  :meth:`Recorder.encode`
+is the sender's path for a batch it sends as it came: the C state writes the
+batch's msgpack (msgspec's bytes: ``coalesce._fused``) and reads its events for
+the recorder in the same pass, so that recording costs the sender less than
+reading the events a second time (docs/benchmarks.md, ``bench_recorder``).  An event the C loop
 cannot read (a hash that is neither an int, bytes nor str, a field of a type
 it does not take, a class whose fields are not slots) moves the state into
 the Python dicts (:meth:`Recorder._to_python`, O(state), once), where it
@@ -70,9 +74,10 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
+from coalesce._fused import TRUSTED, batch_shaped, checked, teach
 from coalesce._kinds import CLEARED, MOVED, OPAQUE, REMOVED, STORED
 from coalesce._layout import load_accelerator
-from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored
+from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
 
 __all__ = ["CHUNK_EVENTS", "Recorder"]
 
@@ -148,10 +153,14 @@ class Recorder:
         self._events = 0
         self._fast: Any = None
         """The C state's ``record_batch`` while it holds the state and is exact."""
+        self._fused: Any = None
+        """Its ``encode_record`` then."""
         self._sync()
 
     def _sync(self) -> None:
-        self._fast = self._cs.record_batch if self._cmode and self.valid else None
+        on = self._cmode and self.valid
+        self._fast = self._cs.record_batch if on else None
+        self._fused = self._cs.encode_record if on else None
 
     @property
     def batches(self) -> int:
@@ -195,6 +204,52 @@ class Recorder:
                 return
         self._batches += 1
         self._record_list(None, 0, batch)
+
+    def encode(self, batch: Any) -> bytes | None:
+        """``batch`` encoded as ``msgspec.msgpack.Encoder().encode(batch)`` encodes
+        it, and recorded as :meth:`record` records it, in one pass over its events
+        (the C state's ``encode_record``: the sender's encode and the recorder's
+        read share their reads).  None when not taken, nothing recorded: no C
+        state, the recorder unavailable, or a shape or value the fused encoder
+        does not write (``coalesce._fused``); then encode and :meth:`record` it
+        apart.  O(events + hashes); never raises.
+        """
+        fused = self._fused
+        if fused is None:
+            return None
+        try:
+            out = fused(batch, self.max_blocks)
+        except Exception as exc:  # (as in record)
+            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+            return None
+        if type(out) is bytes and type(batch) in TRUSTED:
+            return out  # the usual case
+        return self._encode_rest(batch, out)
+
+    def _encode_rest(self, batch: Any, out: Any) -> bytes | None:
+        """:meth:`encode` past its usual case: a class the C encoder is told about
+        first, a batch past the budget, the first batch of its class."""
+        cs = self._cs
+        try:
+            while out is None and cs.declined is not None and self._teach(cs.declined):
+                out = cs.encode_record(batch, self.max_blocks)  # (a class it knows now)
+        except Exception as exc:  # (as in record)
+            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+            return None
+        if out is None:
+            return None
+        if type(out) is tuple:
+            out = out[0]
+            self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+        return checked(batch, out)
+
+    def _teach(self, cls: type) -> bool:
+        """Tell the C state's encoder about ``cls`` (registering an event class with
+        the C loop first).  Once per class; whether it took it."""
+        assert self._c is not None
+        if not batch_shaped(cls):
+            self._c.register(cls, _kind_of(cls))
+        return teach(self._c, cls)
 
     def _record_list(self, events: list[Any] | None, i: int, batch: Any = None) -> None:
         """:meth:`record` from ``events[i]`` on (``batch``'s events when None)."""
@@ -745,3 +800,5 @@ def _moved_store(ev: Any) -> BlockStored:
 if _accel is not None:  # this package's own classes, known to the C loop from the start
     for _cls in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved):
         _accel.register(_cls, _kind_of(_cls))
+    for _taught in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved, KVEventBatch):
+        teach(_accel, _taught)

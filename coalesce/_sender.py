@@ -333,15 +333,22 @@ class Sender:
 
     def _as_given(self, batches: list[Any]) -> list[Any]:
         """Each batch encoded as it is and sent; one the encoder rejects is lost,
-        visibly."""
+        visibly.  With a recorder, each is encoded and recorded in one pass where
+        it can be (:meth:`Feed.encode`), else recorded here, in order: the batches
+        left for :meth:`_finish` to record are then none."""
+        feed = self.feed
         for batch in batches:
-            try:
-                payload = self._encoder.encode(batch)
-            except Exception as exc:
-                self._encode_failed(exc)
-                continue
+            payload = None if feed is None else feed.encode(batch)
+            if payload is None:
+                if feed is not None:
+                    feed.record((batch,))
+                try:
+                    payload = self._encoder.encode(batch)
+                except Exception as exc:
+                    self._encode_failed(exc)
+                    continue
             self._stream.emit(payload, event_count(batch))
-        return batches
+        return batches if feed is None else []
 
     def _compacted(self, window: list[Any], fold_only: bool, timed: bool = False) -> list[Any]:
         """The rules (or the fold) on the event objects, then every result encoded

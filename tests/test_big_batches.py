@@ -94,14 +94,21 @@ def test_a_refused_batch_is_recorded_in_its_place(pubs, monkeypatch):
     from coalesce._feed import Feed
 
     seen: list[int] = []
-    real = Feed.record
+    real, real_encode = Feed.record, Feed.encode
 
     def spy(self: Any, batches: Any, compacted: bool = False) -> None:
         batches = list(batches)
         seen.extend(len(b.events) for b in batches)
         real(self, batches, compacted)
 
+    def spy_encode(self: Any, batch: Any) -> bytes | None:  # (encoded and recorded at once)
+        payload = real_encode(self, batch)
+        if payload is not None:
+            seen.append(len(batch.events))
+        return payload
+
     monkeypatch.setattr(Feed, "record", spy)
+    monkeypatch.setattr(Feed, "encode", spy_encode)
     first, refused, after = chain(1000, 60), chain(2000, 640), chain(5000, 200)
     p = pubs(endpoint=inproc("pub"), max_pending_events=1000, snapshot_endpoint=inproc("snap"))
     with held(p):

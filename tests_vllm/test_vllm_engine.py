@@ -446,6 +446,24 @@ def test_with_parentless_copies_every_lazy_window_is_exact_from_a_reset(w, c_rul
             before.apply_batches(window)
 
 
+def test_the_fused_encoder_writes_vllms_batches_as_msgspec_and_records_them_as_record():
+    """The sender's encode and the recorder's read in one pass (``Recorder.encode``),
+    on vLLM's own classes and stream: every batch taken, its bytes msgspec's, and
+    the recorder's state after each batch the one :meth:`Recorder.record` leaves."""
+    from coalesce._recorder import Recorder, _accel
+
+    if _accel is None:
+        pytest.skip("the C recorder is not built")
+    enc = msgspec.msgpack.Encoder()
+    fused, apart = Recorder(10**9), Recorder(10**9)
+    batches = lazy_stream()
+    for b in batches:
+        assert fused.encode(b) == enc.encode(b)
+        apart.record(b)
+        assert fused.export() == apart.export()
+    assert fused._cs.encoded == len(batches) and fused.valid
+
+
 def test_the_recorded_stream_is_vllms():
     """The stream the Dynamo tier replays (no vLLM there) decodes with vLLM's types,
     and its refcount and llm-d models end with the pools recorded with it."""
