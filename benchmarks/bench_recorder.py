@@ -17,6 +17,10 @@ recorder (coalesce/_recorder.py: the replay-program state of vLLM PR
   the first half of vLLM's stream by events), then timed on the batches that follow, against
   a raw encode of those same batches (the ``record`` column counts the
   table's growth from empty, paid once in a recorder's life);
+- ``record, fused with the encode``: what the sender with a recorder pays on top
+  of the encode it makes anyway, in the same steady state: each batch encoded
+  and recorded in one pass over its events (``Recorder.encode``, C), its time
+  minus a raw encode's, over a raw encode's;
 - ``record py``: the same as ``record`` with the pure-Python recorder (the fall back);
 - ``record compacted``: the recorder fed the rules' output of each window
   (what the sender records under pressure), the compaction not counted;
@@ -176,35 +180,41 @@ def _paths(windows: list[Window]) -> dict[str, Callable[[], Any]]:
     }
 
 
-def steady(warm: list[Any], batches: list[Any], seconds: float, rounds: int) -> float:
-    """Seconds per event of recording ``batches`` into a recorder already fed
-    ``warm``, over those of a raw encode of ``batches``: medians of rounds, the
-    two alternated, the warm-up not timed."""
+def steady(warm: list[Any], batches: list[Any], seconds: float, rounds: int) -> dict[str, float]:
+    """Per event, over a raw encode of ``batches``: recording them into a recorder
+    already fed ``warm`` (``record``), and what encoding and recording them in one
+    pass (``Recorder.encode``, the sender's path with a recorder) adds to the raw
+    encode (``fused``).  Paired: each pass warms two recorders (not timed), then
+    times the three paths back to back (in turn first and last), and takes the
+    ratios within the pass; medians over every pass of ``rounds`` x ``seconds``."""
     enc = Encoder()
-    events = sum(len(b.events) for b in batches)
-    times: dict[str, list[float]] = {"raw": [], "record": []}
-    for r in range(rounds):
-        for path in ("raw", "record") if r % 2 == 0 else ("record", "raw"):
-            spent, t_end = 0.0, time.perf_counter() + seconds
-            n = 0
-            while n == 0 or time.perf_counter() < t_end:
+    ratios: dict[str, list[float]] = {"record": [], "fused": []}
+    paths = ("raw", "record", "fused")
+    n = 0
+    for _ in range(rounds):
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            recording, fused = Recorder(10_000_000), Recorder(10_000_000)
+            recording.record_many(warm)
+            fused.record_many(warm)
+            took: dict[str, float] = {}
+            for path in paths if n % 2 == 0 else paths[::-1]:
+                t0 = time.perf_counter()
                 if path == "raw":
-                    t0 = time.perf_counter()
                     for b in batches:
                         enc.encode(b)
-                    spent += time.perf_counter() - t0
-                else:
-                    rec = Recorder(10_000_000)
-                    rec.record_many(warm)
-                    t0 = time.perf_counter()
+                elif path == "record":
                     for b in batches:
-                        rec.record(b)
-                    spent += time.perf_counter() - t0
-                    assert rec.valid
-                    del rec
-                n += 1
-            times[path].append(spent / (n * events))
-    return statistics.median(times["record"]) / statistics.median(times["raw"])
+                        recording.record(b)
+                else:
+                    for b in batches:
+                        assert fused.encode(b) is not None, "every batch here is taken"
+                took[path] = time.perf_counter() - t0
+            assert recording.valid and fused.valid
+            ratios["record"].append(took["record"] / took["raw"])
+            ratios["fused"].append(took["fused"] / took["raw"] - 1.0)
+            n += 1
+    return {k: statistics.median(v) for k, v in ratios.items()}
 
 
 def steady_streams(limit: int) -> dict[str, tuple[list[Any], list[Any]]]:
@@ -382,6 +392,7 @@ def main() -> None:
         "decode",
         "record",
         "record, steady",
+        "record, fused with the encode",
         "record py",
         "record compacted",
         *FEEDS,
@@ -395,7 +406,8 @@ def main() -> None:
         live = steady(*warmed[name], args.seconds, args.rounds)
         print(
             f"| {name} | {raw * 1e9:.0f} | {per['decode'] / raw:.2f}x | "
-            f"{per['record'] / raw:.2f}x | {live:.2f}x | {per['record py'] / raw:.2f}x | "
+            f"{per['record'] / raw:.2f}x | {live['record']:.2f}x | {live['fused']:.2f}x | "
+            f"{per['record py'] / raw:.2f}x | "
             f"{per['record compacted'] / raw:.2f}x | "
             + " | ".join(f"{per[feed] / raw:.2f}x" for feed in FEEDS)
             + " |",
