@@ -164,7 +164,7 @@ typedef struct {
     size_t store_ops, store_hashes; /* in the ops gathered (a table that will grow) */
     long long nbatches, nevents;   /* given to record_batch() or taken by encode_record() */
     long long nencoded;            /* batches encode_record() took */
-    PyTypeObject *declined;        /* borrowed: the class encode_record() last declined */
+    PyObject *declined;            /* the class encode_record() last declined, or NULL */
     Py_ssize_t at;                 /* the batch record_batches() was at */
     Out out;                       /* encode_record()'s bytes */
 } State;
@@ -1075,10 +1075,10 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
     if (max_blocks == -1 && PyErr_Occurred()) return NULL;
     if (!check_free(st)) return NULL;
     PyObject *batch = args[0];
-    st->declined = NULL;
+    Py_CLEAR(st->declined);
     const BatchLayout *bl = find_batch(Py_TYPE(batch));
     if (bl == NULL) {
-        st->declined = Py_TYPE(batch);
+        st->declined = Py_NewRef((PyObject *)Py_TYPE(batch));
         Py_RETURN_NONE;
     }
     PyObject *ts = FIELD(batch, bl->off[0]), *events = FIELD(batch, bl->off[1]);
@@ -1108,7 +1108,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
             e = ti == NULL ? NULL : &g_enc[ti - g_types];
         }
         if (e == NULL || !e->set) {
-            st->declined = Py_TYPE(ev);
+            st->declined = Py_NewRef((PyObject *)Py_TYPE(ev));
             ok = 0;
             break;
         }
@@ -1159,8 +1159,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
 }
 
 static PyObject *State_declined(State *st, void *closure) {
-    PyObject *d = st->declined == NULL ? Py_None : (PyObject *)st->declined;
-    return Py_NewRef(d);
+    return Py_NewRef(st->declined == NULL ? Py_None : st->declined);
 }
 static PyObject *State_encoded(State *st, void *closure) { return PyLong_FromLongLong(st->nencoded); }
 
@@ -1763,6 +1762,7 @@ static void State_dealloc(State *st) {
     vec_free(&st->stack);
     vec_free(&st->depbuf);
     free(st->out.p);
+    Py_XDECREF(st->declined);
     Py_XDECREF(st->scope_ids);
     Py_XDECREF(st->intern_ids);
     Py_TYPE(st)->tp_free((PyObject *)st);
