@@ -10,9 +10,11 @@ class, that it is ``[ts, events, data_parallel_rank]``.  A class msgspec would
 encode another way (``array_like`` events, untagged, a default factory other
 than ``list``, ``rename`` of the batch's fields) gets no layout.
 
-:func:`checked` compares the first batch of each batch class with msgspec's
-own bytes: a layout misread sends msgspec's bytes for that class from then on
-(and says so), never a wrong byte on the wire.  Every function is O(fields).
+:func:`checked` compares the first batch of each batch class, and the first
+batch with each event class learned at run time, with msgspec's own bytes: a
+layout misread sends msgspec's bytes for that batch class from then on (and
+says so), never a wrong byte on the wire.  Every function is O(fields), or
+O(the batch) for a comparison.
 """
 
 from __future__ import annotations
@@ -84,20 +86,23 @@ def teach(accel: ModuleType, cls: type) -> bool:
     return layout is not None and bool(accel.set_layout(cls, *layout))
 
 
-def checked(batch: Any, payload: bytes) -> bytes:
+def checked(batch: Any, payload: bytes, again: bool = False) -> bytes:
     """``payload`` if the fused encoder writes ``batch``'s class as msgspec does,
-    else msgspec's bytes.  The first batch of each class is compared with
-    msgspec's encoding of it: alike, the class joins :data:`TRUSTED` (the
-    caller's check, one set lookup); unlike, every later batch of it is
-    encoded by msgspec (its recording is not in question: the fused encoder
-    reads the events as the C loop does), and a warning says so."""
+    else msgspec's bytes.  The first batch of each batch class is compared with
+    msgspec's encoding of it, and so is (``again``) a batch whose encoding
+    taught the C encoder an event class.  Alike, the class is in
+    :data:`TRUSTED` (the caller's check, one set lookup); unlike, it leaves it
+    for good and every later batch of it is encoded by msgspec (its recording
+    is not in question: the fused encoder reads the events as the C loop
+    does), and a warning says so."""
     cls = type(batch)
     ok = _checked.get(cls)
-    if ok is None:
+    if ok is None or (ok and again):
         ok = _checked[cls] = payload == _ENC.encode(batch)
         if ok:
             TRUSTED.add(cls)
         else:
+            TRUSTED.discard(cls)
             log.warning(
                 "kv-coalesce: the fused encoder wrote a %s unlike msgspec; msgspec encodes "
                 "it from now on",

@@ -228,10 +228,12 @@ class Recorder:
 
     def _encode_rest(self, batch: Any, out: Any) -> bytes | None:
         """:meth:`encode` past its usual case: a class the C encoder is told about
-        first, a batch past the budget, the first batch of its class."""
-        cs = self._cs
+        first (the result then checked against msgspec), a batch past the budget,
+        the first batch of its class."""
+        cs, taught = self._cs, False
         try:
             while out is None and cs.declined is not None and self._teach(cs.declined):
+                taught = True
                 out = cs.encode_record(batch, self.max_blocks)  # (a class it knows now)
         except Exception as exc:  # (as in record)
             self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
@@ -241,7 +243,7 @@ class Recorder:
         if type(out) is tuple:
             out = out[0]
             self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
-        return checked(batch, out)
+        return checked(batch, out, again=taught)
 
     def _teach(self, cls: type) -> bool:
         """Tell the C state's encoder about ``cls`` (registering an event class with

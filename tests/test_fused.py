@@ -263,6 +263,41 @@ def test_a_batch_class_written_unlike_msgspec_is_encoded_apart_from_then_on(capl
     assert rec.export() == apart.export(), "and the batch recorded all the same"
 
 
+def test_an_event_class_learned_later_is_checked_against_msgspec_too(caplog, monkeypatch):
+    """A batch class already trusted meets an event class first seen now: that
+    batch is compared with msgspec's bytes again, and a misread (simulated: the
+    taught layout names the tag wrongly) sends msgspec's bytes from then on."""
+
+    class Batch(msgspec.Struct, array_like=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class Late(_Tagged, tag="BlockRemoved"):
+        block_hashes: list[int]
+        medium: str | None = None
+
+    rec, apart = Recorder(10**9), Recorder(10**9)
+    first = Batch(ts=0.0, events=[_store(1)])
+    assert rec.encode(first) == ENC.encode(first) and Batch in _fused.TRUSTED
+    real_layout = _fused._event_layout
+
+    def misread(cls: type) -> Any:
+        tagkv, fields = real_layout(cls)
+        return tagkv.replace(b"BlockRemoved", b"BlockRemovex"), fields
+
+    monkeypatch.setattr(_fused, "_event_layout", misread)
+    later = Batch(ts=1.0, events=[Late([1], "GPU")])
+    with caplog.at_level(logging.WARNING, logger="coalesce"):
+        assert rec.encode(later) == ENC.encode(later), "msgspec's bytes, not the misread ones"
+    assert "unlike msgspec" in caplog.text and Batch not in _fused.TRUSTED
+    again = Batch(ts=2.0, events=[Late([2], "GPU")])
+    assert rec.encode(again) == ENC.encode(again)
+    for b in (first, later, again):
+        apart.record(b)
+    assert rec.export() == apart.export(), "recorded all the same"
+
+
 def test_a_resync_publisher_encodes_and_records_in_one_pass_on_the_wire_msgspec_writes():
     port = free_port()
     pub = CoalescingPublisher(0, endpoint=f"tcp://*:{port}", loss_marker="resync")
