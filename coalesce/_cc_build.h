@@ -123,17 +123,7 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
     /* room for the header and every element as the longest int; bins make more */
     unsigned char *d = (unsigned char *)buf_get(buf, 5 + (size_t)total * 9);
     if (d == NULL) return PyErr_NoMemory();
-    unsigned char *p = d;
-    if (total < 16) {
-        *p++ = (unsigned char)(0x90 | total);
-    } else if (total < 65536) {
-        *p++ = 0xdc;
-        *p++ = (unsigned char)(total >> 8);
-        *p++ = (unsigned char)total;
-    } else {
-        *p++ = 0xdd;
-        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)((uint64_t)total >> i);
-    }
+    unsigned char *p = put_header(d, MP_ARRAY, (size_t)total);
     Py_ssize_t left = total;
     for (Py_ssize_t q = 0; q < it->nseg; q++) {
         Seg g = segs->v[it->seg0 + q];
@@ -155,18 +145,7 @@ static PyObject *concat_wire(Window *w, const SegVec *segs, const Item *it, Py_s
             size_t n = (size_t)PyBytes_GET_SIZE(x), at = (size_t)(p - d);
             d = (unsigned char *)buf_get(buf, at + 5 + n + (size_t)left * 9);
             if (d == NULL) return PyErr_NoMemory();
-            p = d + at;
-            if (n < 256) {
-                *p++ = 0xc4;
-                *p++ = (unsigned char)n;
-            } else if (n < 65536) {
-                *p++ = 0xc5;
-                *p++ = (unsigned char)(n >> 8);
-                *p++ = (unsigned char)n;
-            } else {
-                *p++ = 0xc6;
-                for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(n >> i);
-            }
+            p = put_header(d + at, MP_BIN, n);
             memcpy(p, PyBytes_AS_STRING(x), n);
             p += n;
         }

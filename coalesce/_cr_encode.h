@@ -1,7 +1,8 @@
 /* Encoding a batch as msgspec's msgpack Encoder() does, for State.encode_record:
  * the sender's encode and the recorder's read in one pass over the events.
  *
- * What it writes is what msgspec 0.18+ writes for these shapes, and only them:
+ * What it writes is what msgspec (the versions the package takes) writes for
+ * these shapes, and only them:
  * - a batch class that is array_like, untagged, with the fields (ts, events,
  *   data_parallel_rank) in that order: [ts, [event, ...], rank];
  * - event classes encoded as maps (not array_like), tagged: the map's length
@@ -15,10 +16,11 @@
  * Anything else (a subclass, a dict, a nested struct, UNSET, another default
  * factory) declines the batch: encode_record returns None and nothing is
  * recorded, so the caller encodes it with msgspec and records it as before.
- * The layouts come from Python (coalesce/_recorder.py reads msgspec's struct
+ * The layouts come from Python (coalesce/_fused.py reads msgspec's struct
  * metadata), the field offsets from the classes' member descriptors, as for
- * register(); the Python side checks the first batch of each batch class
- * against msgspec's bytes.
+ * register(); coalesce/_fused.py compares the first batch of each batch class,
+ * and the first with each event class learned at run time, with msgspec's
+ * bytes.
  *
  * Part of coalesce/_crecord.c, which includes it once: not a header of its own. */
 
@@ -69,23 +71,10 @@ static inline void out_bytes(Out *o, const void *src, size_t n) {
     o->n += n;
 }
 
-/* A length header: `fix | n` below `fixmax` (none when fixmax is 0), else the
- * 16- or 32-bit form.  0 on OOM. */
-static int put_len(Out *o, size_t n, unsigned char fix, size_t fixmax, unsigned char c16,
-                   unsigned char c32) {
+/* A length header (put_header), with room made for it.  0 on OOM. */
+static int put_len(Out *o, MpHeader h, size_t n) {
     if (!out_room(o, 5)) return 0;
-    unsigned char *p = o->p + o->n;
-    if (n < fixmax) {
-        *p++ = (unsigned char)(fix | n);
-    } else if (n < 65536) {
-        *p++ = c16;
-        *p++ = (unsigned char)(n >> 8);
-        *p++ = (unsigned char)n;
-    } else {
-        *p++ = c32;
-        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)(n >> i);
-    }
-    o->n = (size_t)(p - o->p);
+    o->n = (size_t)(put_header(o->p + o->n, h, n) - o->p);
     return 1;
 }
 
@@ -120,43 +109,21 @@ static int put_value(Out *o, PyObject *v, int depth) {
                 return 0;
             }
         }
-        if ((uint64_t)n >= ((uint64_t)1 << 32)) return 0;
-        if (n < 32) {
-            *p++ = (unsigned char)(0xa0 | n);
-            o->n = (size_t)(p - o->p);
-        } else if (n < 256) {
-            *p++ = 0xd9;
-            *p++ = (unsigned char)n;
-            o->n = (size_t)(p - o->p);
-        } else if (!put_len(o, (size_t)n, 0, 0, 0xda, 0xdb)) {
+        if ((uint64_t)n >= ((uint64_t)1 << 32) || !put_len(o, MP_STR, (size_t)n) ||
+            !out_room(o, (size_t)n))
             return 0;
-        }
-        if (!out_room(o, (size_t)n)) return 0;
         out_bytes(o, s, (size_t)n);
         return 1;
     } else if (PyBytes_CheckExact(v)) {
-        Py_ssize_t n = PyBytes_GET_SIZE(v);
-        if ((uint64_t)n >= ((uint64_t)1 << 32)) return 0;
-        if (n < 256) {
-            *p++ = 0xc4;
-            *p++ = (unsigned char)n;
-        } else if (n < 65536) {
-            *p++ = 0xc5;
-            *p++ = (unsigned char)(n >> 8);
-            *p++ = (unsigned char)n;
-        } else {
-            *p++ = 0xc6;
-            for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)((uint64_t)n >> i);
-        }
-        o->n = (size_t)(p - o->p);
-        if (!out_room(o, (size_t)n)) return 0;
-        out_bytes(o, PyBytes_AS_STRING(v), (size_t)n);
+        size_t n = (size_t)PyBytes_GET_SIZE(v);
+        if ((uint64_t)n >= ((uint64_t)1 << 32) || !put_len(o, MP_BIN, n) || !out_room(o, n))
+            return 0;
+        out_bytes(o, PyBytes_AS_STRING(v), n);
         return 1;
     } else if (PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
         if (depth >= ENC_DEPTH) return 0;
         Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
-        if ((uint64_t)n >= ((uint64_t)1 << 32) || !put_len(o, (size_t)n, 0x90, 16, 0xdc, 0xdd))
-            return 0;
+        if ((uint64_t)n >= ((uint64_t)1 << 32) || !put_len(o, MP_ARRAY, (size_t)n)) return 0;
         /* (no element's encoding runs Python code: a list cannot change meanwhile) */
         PyObject **items = PySequence_Fast_ITEMS(v);
         for (Py_ssize_t i = 0; i < n; i++)

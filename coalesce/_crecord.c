@@ -879,6 +879,11 @@ static int check_free(State *st) {
     return 1;
 }
 
+/* Whether the counts' sum or the kept hashes exceed max_blocks (-1: no budget). */
+static int over_budget(const State *st, long long max_blocks) {
+    return max_blocks >= 0 && (st->counts > max_blocks || st->kept > max_blocks);
+}
+
 PyDoc_STRVAR(record_doc,
              "record(events, i[, max_blocks]) -> int\n\n"
              "Apply events[i:] (a list); the index of the first event not applied, the\n"
@@ -968,7 +973,7 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
     if (!flush(st)) failed = 1;
     Py_DECREF(events);
     if (failed) return NULL;
-    if (i == nev && max_blocks >= 0 && (st->counts > max_blocks || st->kept > max_blocks))
+    if (i == nev && over_budget(st, max_blocks))
         return PyLong_FromLong(-1); /* applied, and over the budget */
     return PyLong_FromSsize_t(i);
 }
@@ -1088,7 +1093,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
     if (!out_room(o, 1)) return PyErr_NoMemory();
     o->p[o->n++] = 0x93; /* [ts, events, rank] */
     Py_ssize_t nev = PyList_GET_SIZE(events);
-    if (!put_value(o, ts, 0) || !put_len(o, (size_t)nev, 0x90, 16, 0xdc, 0xdd))
+    if (!put_value(o, ts, 0) || !put_len(o, MP_ARRAY, (size_t)nev))
         Py_RETURN_NONE;
     Py_INCREF(events);
     st->ops.item = sizeof(Op);
@@ -1151,8 +1156,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
         o->p = NULL;
         o->n = o->cap = 0;
     }
-    if (bytes == NULL || max_blocks < 0 || (st->counts <= max_blocks && st->kept <= max_blocks))
-        return bytes;
+    if (bytes == NULL || !over_budget(st, max_blocks)) return bytes;
     PyObject *over = PyTuple_Pack(1, bytes);
     Py_DECREF(bytes);
     return over;

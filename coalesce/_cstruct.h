@@ -1,6 +1,7 @@
 /* Reading msgspec structs' fields at their slot offsets, block hashes as
- * 64-bit values, and an int written as msgspec writes it (for _ccompact.c,
- * _crecord.c and their parts).  Header-only (static functions). */
+ * 64-bit values, and ints and length headers written as msgspec writes them
+ * (for _ccompact.c, _crecord.c and their parts).  Header-only (static
+ * functions). */
 #ifndef COALESCE_CSTRUCT_H
 #define COALESCE_CSTRUCT_H
 
@@ -111,6 +112,36 @@ static inline unsigned char *put_int(unsigned char *p, PyObject *x) {
     } else {
         *p++ = 0xd3;
         for (int i = 56; i >= 0; i -= 8) *p++ = (unsigned char)(b >> i);
+    }
+    return p;
+}
+
+/* The msgpack header of a length-n array, str or bin (MP_ARRAY, MP_STR, MP_BIN)
+ * at p, which has room for 5 bytes: its fix form below its fix limit (array
+ * 16, str 32; bin has none), its 8-bit form below 256 (str and bin; array has
+ * none), else its 16- or 32-bit form (n below 2**32).  The end. */
+typedef struct {
+    unsigned char fix;
+    size_t fixmax;
+    unsigned char c8, c16, c32;
+} MpHeader;
+static const MpHeader MP_ARRAY = {0x90, 16, 0, 0xdc, 0xdd};
+static const MpHeader MP_STR = {0xa0, 32, 0xd9, 0xda, 0xdb};
+static const MpHeader MP_BIN = {0, 0, 0xc4, 0xc5, 0xc6};
+
+static inline unsigned char *put_header(unsigned char *p, MpHeader h, size_t n) {
+    if (n < h.fixmax) {
+        *p++ = (unsigned char)(h.fix | n);
+    } else if (h.c8 && n < 256) {
+        *p++ = h.c8;
+        *p++ = (unsigned char)n;
+    } else if (n < 65536) {
+        *p++ = h.c16;
+        *p++ = (unsigned char)(n >> 8);
+        *p++ = (unsigned char)n;
+    } else {
+        *p++ = h.c32;
+        for (int i = 24; i >= 0; i -= 8) *p++ = (unsigned char)((uint64_t)n >> i);
     }
     return p;
 }

@@ -34,9 +34,10 @@ _ALWAYS, _UNLESS_DEFAULT, _UNLESS_EMPTY_LIST = 0, 1, 2
 _BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
 _taught: set[type] = set()
-_checked: dict[type, bool] = {}
 TRUSTED: set[type] = set()
 """Batch classes whose first batch the fused encoder wrote as msgspec does."""
+_refused: set[type] = set()
+"""Batch classes for which it wrote a batch unlike msgspec (none: never in TRUSTED)."""
 
 
 def _event_layout(cls: type) -> tuple[bytes, tuple[tuple[bytes, str, Any, int], ...]] | None:
@@ -96,16 +97,18 @@ def checked(batch: Any, payload: bytes, again: bool = False) -> bytes:
     is not in question: the fused encoder reads the events as the C loop
     does), and a warning says so."""
     cls = type(batch)
-    ok = _checked.get(cls)
-    if ok is None or (ok and again):
-        ok = _checked[cls] = payload == _ENC.encode(batch)
-        if ok:
-            TRUSTED.add(cls)
-        else:
-            TRUSTED.discard(cls)
-            log.warning(
-                "kv-coalesce: the fused encoder wrote a %s unlike msgspec; msgspec encodes "
-                "it from now on",
-                cls.__qualname__,
-            )
-    return payload if ok else _ENC.encode(batch)
+    if cls in _refused:
+        return _ENC.encode(batch)
+    if cls in TRUSTED and not again:
+        return payload
+    expected = _ENC.encode(batch)
+    if payload == expected:
+        TRUSTED.add(cls)
+        return payload
+    TRUSTED.discard(cls)
+    _refused.add(cls)
+    log.warning(
+        "kv-coalesce: the fused encoder wrote a %s unlike msgspec; msgspec encodes it from now on",
+        cls.__qualname__,
+    )
+    return expected

@@ -59,9 +59,10 @@ tests/test_recorder_c.py run both and compare them).  :meth:`Recorder.encode`
 is the sender's path for a batch it sends as it came: the C state writes the
 batch's msgpack (msgspec's bytes: ``coalesce._fused``) and reads its events for
 the recorder in the same pass, so that recording costs the sender less than
-reading the events a second time (docs/benchmarks.md, ``bench_recorder``).  An event the C loop
-cannot read (a hash that is neither an int, bytes nor str, a field of a type
-it does not take, a class whose fields are not slots) moves the state into
+reading the events a second time (docs/benchmarks.md, ``bench_recorder``).
+An event the C loop cannot read (a hash that is neither an int, bytes nor
+str, a field of a type it does not take, a class whose fields are not slots)
+moves the state into
 the Python dicts (:meth:`Recorder._to_python`, O(state), once), where it
 stays until the next ``AllBlocksCleared``.
 """
@@ -802,5 +803,5 @@ def _moved_store(ev: Any) -> BlockStored:
 if _accel is not None:  # this package's own classes, known to the C loop from the start
     for _cls in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved):
         _accel.register(_cls, _kind_of(_cls))
-    for _taught in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved, KVEventBatch):
-        teach(_accel, _taught)
+        teach(_accel, _cls)
+    teach(_accel, KVEventBatch)
