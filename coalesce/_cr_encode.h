@@ -49,21 +49,52 @@ typedef struct {
 static BatchLayout g_batches[MAX_BATCH_TYPES];
 static int g_nbatches = 0;
 
+/* The bytes being written: a bytes object of `cap` bytes (owned), handed to the
+ * caller once the batch is written and cut to its length (no copy). */
 typedef struct {
-    unsigned char *p;
+    PyObject *b;      /* NULL until the first write */
+    unsigned char *p; /* b's buffer */
     size_t n, cap;
+    size_t hint; /* the first size tried: the last batch's, with room to spare */
 } Out;
+
+#define OUT_HINT_MAX ((size_t)1 << 22) /* (a huge batch's size is not the next hint) */
+
+static int out_grow(Out *o, size_t more) {
+    size_t cap = o->cap ? o->cap : (o->hint > 4096 ? o->hint : 4096);
+    while (cap < o->n + more) cap *= 2;
+    if (cap > (size_t)PY_SSIZE_T_MAX) return 0;
+    if (o->b == NULL)
+        o->b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
+    else if (_PyBytes_Resize(&o->b, (Py_ssize_t)cap) < 0)
+        o->b = NULL; /* (freed by it) */
+    if (o->b == NULL) {
+        PyErr_Clear(); /* (the batch is declined) */
+        o->p = NULL;
+        o->n = o->cap = 0;
+        return 0;
+    }
+    o->p = (unsigned char *)PyBytes_AS_STRING(o->b);
+    o->cap = cap;
+    return 1;
+}
 
 /* Room for `more` bytes at the end of o.  0 on OOM. */
 static inline int out_room(Out *o, size_t more) {
-    if (o->n + more <= o->cap) return 1;
-    size_t cap = o->cap ? o->cap : 4096;
-    while (cap < o->n + more) cap *= 2;
-    unsigned char *q = (unsigned char *)realloc(o->p, cap);
-    if (q == NULL) return 0;
-    o->p = q;
-    o->cap = cap;
-    return 1;
+    return o->n + more <= o->cap ? 1 : out_grow(o, more);
+}
+
+/* The bytes written, as a bytes object of their length (NULL: an exception set);
+ * the next call starts a new one. */
+static PyObject *out_take(Out *o) {
+    PyObject *b = o->b;
+    size_t n = o->n;
+    o->b = NULL;
+    o->p = NULL;
+    o->n = o->cap = 0;
+    o->hint = n < OUT_HINT_MAX ? n + n / 8 + 64 : OUT_HINT_MAX;
+    if (_PyBytes_Resize(&b, (Py_ssize_t)n) < 0) return NULL;
+    return b;
 }
 
 static inline void out_bytes(Out *o, const void *src, size_t n) {

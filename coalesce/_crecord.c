@@ -1150,12 +1150,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
     int applied = flush(st);
     Py_DECREF(events);
     if (!applied) return NULL;
-    PyObject *bytes = PyBytes_FromStringAndSize((const char *)o->p, (Py_ssize_t)o->n);
-    if (o->cap > ((size_t)1 << 22)) { /* (a huge batch's buffer is not kept) */
-        free(o->p);
-        o->p = NULL;
-        o->n = o->cap = 0;
-    }
+    PyObject *bytes = out_take(o);
     if (bytes == NULL || !over_budget(st, max_blocks)) return bytes;
     PyObject *over = PyTuple_Pack(1, bytes);
     Py_DECREF(bytes);
@@ -1732,8 +1727,9 @@ static void state_init_fields(State *st) {
     st->nbatches = st->nevents = st->nencoded = 0;
     st->at = 0;
     st->declined = NULL;
+    st->out.b = NULL;
     st->out.p = NULL;
-    st->out.n = st->out.cap = 0;
+    st->out.n = st->out.cap = st->out.hint = 0;
     publish(st);
 }
 
@@ -1765,7 +1761,7 @@ static void State_dealloc(State *st) {
     vec_free(&st->grave);
     vec_free(&st->stack);
     vec_free(&st->depbuf);
-    free(st->out.p);
+    Py_CLEAR(st->out.b);
     Py_XDECREF(st->declined);
     Py_XDECREF(st->scope_ids);
     Py_XDECREF(st->intern_ids);
