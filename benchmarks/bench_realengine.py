@@ -3,8 +3,9 @@
 One rank of vLLM 0.33's real scheduler, KV cache manager and eager CPU offload
 manager (``coalesce_tools.vllm_engine``, the seed-like workload of the demo)
 steps to the end of its workload with, in turn: vLLM's ``NullEventPublisher``
-(the engine alone), vLLM's ``ZmqEventPublisher`` (stock), coalesce (the plugin)
-and coalesce with snapshots on, first with a pure-CPU loop, then with a fake
+(the engine alone), vLLM's ``ZmqEventPublisher`` (stock), coalesce (the plugin),
+coalesce recording for resyncs (``loss_marker=resync``: the recorder on every
+batch) and coalesce with snapshots on, first with a pure-CPU loop, then with a fake
 forward pass of 10 ms a step that releases the GIL (``EngineConfig.gpu_ms``:
 what the engine thread does on a GPU, and the time vLLM's sender thread runs
 in).  Each publisher sends over tcp loopback to a SUB
@@ -37,7 +38,12 @@ from bench_stock_blocks import _port, _reader
 
 from coalesce_tools.results import header, recording, row
 
-ROWS = ("null", "stock", "coalesce", "coalesce+snap")
+ROWS = ("null", "stock", "coalesce", "coalesce+resync", "coalesce+snap")
+SETTINGS = {
+    "coalesce+resync": "COALESCE_LOSS_MARKER",
+    "coalesce+snap": "COALESCE_SNAPSHOT_ENDPOINT",
+}
+"""The variable each coalesce row sets while its publisher is built."""
 
 
 def one(kind: str, gpu_ms: float) -> dict[str, float]:
@@ -53,13 +59,17 @@ def one(kind: str, gpu_ms: float) -> dict[str, float]:
         stop, got = ctx.Event(), ctx.Value("q", 0)
         reader = ctx.Process(target=_reader, args=(port, stop, got), daemon=True)
         reader.start()
-        if kind == "coalesce+snap":
-            os.environ["COALESCE_SNAPSHOT_ENDPOINT"] = f"tcp://127.0.0.1:{_port()}"
+        variable = SETTINGS.get(kind)
+        if variable is not None:
+            os.environ[variable] = (
+                "resync" if kind == "coalesce+resync" else f"tcp://127.0.0.1:{_port()}"
+            )
         try:
             with use_publisher("stock" if kind == "stock" else "coalesce"):
                 eng = VllmEngine(cfg, f"tcp://*:{port}")
         finally:
-            os.environ.pop("COALESCE_SNAPSHOT_ENDPOINT", None)
+            if variable is not None:
+                os.environ.pop(variable, None)
     gc.collect()
     t0 = time.perf_counter()
     eng.run()
