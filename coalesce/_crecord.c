@@ -731,13 +731,110 @@ static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *fl
     return 1;
 }
 
+/* msgspec.Raw (set_raw_type()): compact_for_wire() writes a merged event's
+ * hash and token lists as a Raw holding the list's msgpack encoding. */
+static PyTypeObject *g_raw_type = NULL;
+
+/* A Raw holding a msgpack array: *p its first element, *end the end, *n its
+ * length.  0 when o is not such a Raw.  (The bytes stay valid while o lives:
+ * a Raw is immutable, and the event holding it is held by the caller.) */
+static int raw_list(PyObject *o, const unsigned char **p, const unsigned char **end,
+                    Py_ssize_t *n) {
+    if (g_raw_type == NULL || Py_TYPE(o) != g_raw_type) return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(o, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const unsigned char *q = (const unsigned char *)view.buf, *e = q + view.len;
+    PyBuffer_Release(&view);
+    if (q >= e) return 0;
+    unsigned char b = *q++;
+    size_t len, k = 0;
+    if ((b & 0xf0) == 0x90) {
+        len = b & 0x0f;
+    } else if (b == 0xdc || b == 0xdd) {
+        k = b == 0xdc ? 2 : 4;
+        if ((size_t)(e - q) < k) return 0;
+        len = 0;
+        for (size_t i = 0; i < k; i++) len = len << 8 | q[i];
+        q += k;
+    } else {
+        return 0;
+    }
+    *p = q;
+    *end = e;
+    *n = (Py_ssize_t)len;
+    return 1;
+}
+
+/* The next element of a Raw hash list as a key (hash_key's results: 1, 0 an
+ * element it does not take, -1 a Python error); *p moves past it.  Ints in
+ * [0, 2**64) are read as they are; negative ints and bins (the hashes the
+ * list path interns) are interned as the objects they decode to. */
+static int raw_hash(State *st, const unsigned char **p, const unsigned char *end, int create,
+                    uint64_t *h, uint8_t *flag) {
+    const unsigned char *q = *p;
+    if (q >= end) return 0;
+    unsigned char b = *q++;
+    if (b < 0x80) {
+        *h = b;
+        *flag = 0;
+        *p = q;
+        return 1;
+    }
+    size_t k = 0;
+    PyObject *o = NULL;
+    if (b >= 0xcc && b <= 0xcf) { /* uint 8/16/32/64 */
+        k = (size_t)1 << (b - 0xcc);
+        if ((size_t)(end - q) < k) return 0;
+        uint64_t u = 0;
+        for (size_t i = 0; i < k; i++) u = u << 8 | q[i];
+        *h = u;
+        *flag = 0;
+        *p = q + k;
+        return 1;
+    } else if (b >= 0xe0) { /* negative fixint */
+        o = PyLong_FromLong((long)(int8_t)b);
+    } else if (b >= 0xd0 && b <= 0xd3) { /* int 8/16/32/64 */
+        k = (size_t)1 << (b - 0xd0);
+        if ((size_t)(end - q) < k) return 0;
+        uint64_t u = 0;
+        for (size_t i = 0; i < k; i++) u = u << 8 | q[i];
+        if (k < 8 && (u >> (8 * k - 1)) & 1) u |= ~(uint64_t)0 << (8 * k); /* sign */
+        o = PyLong_FromLongLong((long long)u);
+    } else if (b >= 0xc4 && b <= 0xc6) { /* bin 8/16/32 */
+        size_t lk = (size_t)1 << (b - 0xc4), len = 0;
+        if ((size_t)(end - q) < lk) return 0;
+        for (size_t i = 0; i < lk; i++) len = len << 8 | q[i];
+        q += lk;
+        if ((size_t)(end - q) < len) return 0;
+        o = PyBytes_FromStringAndSize((const char *)q, (Py_ssize_t)len);
+        k = len;
+    } else {
+        return 0;
+    }
+    if (o == NULL) return -1;
+    int r = hash_key(st, o, create, h, flag);
+    Py_DECREF(o);
+    if (r == 1) *p = q + k;
+    return r;
+}
+
 /* Read one store or removal into an op.  1 read (or nothing to do), 0 an event
  * it does not take, -1 a Python error. */
 static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     PyObject *hashes = FIELD(ev, ti->off[F_HASHES]);
-    if (hashes == NULL || !(PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes))) return 0;
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (hashes == NULL) return 0;
+    PyObject **items = NULL;
+    const unsigned char *raw = NULL, *raw_end = NULL; /* a Raw list's elements */
+    Py_ssize_t n;
+    if (PyList_CheckExact(hashes) || PyTuple_CheckExact(hashes)) {
+        items = PySequence_Fast_ITEMS(hashes);
+        n = PySequence_Fast_GET_SIZE(hashes);
+    } else if (!raw_list(hashes, &raw, &raw_end, &n)) {
+        return 0;
+    }
     if (n == 0) return 1; /* a store of none, a removal of none: nothing */
     if (n >= (Py_ssize_t)1 << 31) return 0;
     int store = ti->kind == K_STORED;
@@ -781,7 +878,8 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
         } else if (PyList_CheckExact(toks) || PyTuple_CheckExact(toks)) {
             op->ntok = PySequence_Fast_GET_SIZE(toks);
         } else {
-            goto not_taken;
+            const unsigned char *tp, *te;
+            if (!raw_list(toks, &tp, &te, &op->ntok)) goto not_taken;
         }
         op->tokens = op->ntok > 0;
     }
@@ -795,12 +893,17 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
             PyErr_NoMemory();
             return -1;
         }
-        PyObject *o = items[j];
-        if (PyLong_CheckExact(o) && long_u64(o, h)) {
-            *f = 0;
-            continue;
+        int r;
+        if (items == NULL) {
+            r = raw_hash(st, &raw, raw_end, store, h, f);
+        } else {
+            PyObject *o = items[j];
+            if (PyLong_CheckExact(o) && long_u64(o, h)) {
+                *f = 0;
+                continue;
+            }
+            r = hash_key(st, o, store, h, f);
         }
-        int r = hash_key(st, o, store, h, f);
         if (r <= 0) {
             st->hb.n = st->hf.n = h0;
             st->ops.n--;
@@ -1850,6 +1953,20 @@ static PyObject *cr_register(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(set_raw_type_doc,
+             "set_raw_type(cls) -> None\n\n"
+             "msgspec.Raw: the type whose lists (a msgpack array of ints or bins, as\n"
+             "compact_for_wire() writes them) the loop reads as hash and token lists.");
+
+static PyObject *cr_set_raw_type(PyObject *self, PyObject *cls) {
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "set_raw_type(cls: type)");
+        return NULL;
+    }
+    Py_XSETREF(g_raw_type, (PyTypeObject *)Py_NewRef(cls));
+    Py_RETURN_NONE;
+}
+
 static PyObject *cr_set_nogil_from(PyObject *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
@@ -1862,6 +1979,7 @@ static PyMethodDef methods[] = {
     {"register", cr_register, METH_VARARGS, register_doc},
     {"set_layout", cr_set_layout, METH_VARARGS, set_layout_doc},
     {"register_batch", cr_register_batch, METH_O, register_batch_doc},
+    {"set_raw_type", cr_set_raw_type, METH_O, set_raw_type_doc},
     {"set_nogil_from", cr_set_nogil_from, METH_O,
      "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
      "never); the previous setting (for benchmarks)."},

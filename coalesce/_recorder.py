@@ -75,6 +75,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
+import msgspec
+
 from coalesce._fused import TRUSTED, batch_shaped, checked, teach
 from coalesce._kinds import CLEARED, MOVED, OPAQUE, REMOVED, STORED
 from coalesce._layout import load_accelerator
@@ -355,12 +357,24 @@ class Recorder:
     def _to_python(self) -> None:
         """Move the state from C into the dicts (O(state)): until the next clear,
         the Python loop applies everything."""
-        live, sources, refs, n = self._cs.export()
+        live, sources, refs, n = self._exported()
         self._live, self._sources, self._refs, self._n = live, sources, refs, n
         self._unused = []
         self._cs.clear()
         self._cmode = False
         self._sync()
+
+    def _exported(
+        self,
+    ) -> tuple[dict[Scope, dict[Any, int]], dict[int, tuple[Any, ...]], dict[int, int], list[int]]:
+        """The C state's :meth:`export`, every source's event with its lists as lists
+        (:func:`_listed`).  O(keys + sources)."""
+        live, sources, refs, n = self._cs.export()
+        for sid, source in sources.items():
+            event = _listed(source[EVENT])
+            if event is not source[EVENT]:
+                sources[sid] = (event, *source[SCOPE:])
+        return live, sources, refs, n
 
     def _record_from(self, events: list[Any], i: int) -> int:
         """Apply ``events[i:]`` in Python; the index after the last applied (the
@@ -377,8 +391,9 @@ class Recorder:
             elif not self.valid:
                 pass
             elif kind == REMOVED:
-                self._remove(ev, _scope_of(ev))
+                self._remove(_listed(ev), _scope_of(ev))
             elif kind == STORED:
+                ev = _listed(ev)
                 self._store(ev, ev)
             elif kind == MOVED:
                 self._store(ev, _moved_store(ev))
@@ -527,8 +542,7 @@ class Recorder:
         ids renumbered 0.. in recorded order (so that two recorders' states compare
         equal when they are the same).  O(keys + sources)."""
         if self._cmode:
-            live, sources, refs, n = self._cs.export()
-            return live, sources, refs, n
+            return self._exported()
         ids = {old: new for new, old in enumerate(self._sources)}
         sources = {
             ids[old]: (s[EVENT], s[SCOPE], tuple(ids[d] for d in s[DEPS]), s[TOKENS], s[SIZE])
@@ -555,7 +569,7 @@ class Recorder:
     def check(self) -> None:
         """Assert the invariants (tests call it after each batch).  O(keys + sources)."""
         if self._cmode:
-            live, sources, refs_kept, n = self._cs.export()
+            live, sources, refs_kept, n = self._exported()
             unused: list[int] = []
         else:
             live, sources, refs_kept, n, unused = (
@@ -740,6 +754,19 @@ _KINDS: dict[type, int] = {}
 """Each event class's kind, by its wire tag, looked up once per class."""
 
 
+def _listed(ev: Any) -> Any:
+    """``ev``, or a copy of it whose hash and token lists are lists where they were
+    ``msgspec.Raw`` (their encoding: :func:`coalesce.compactor.compact_for_wire`
+    writes a merged event's so); the same wire either way.  O(1) when neither
+    is a Raw, else O(the lists)."""
+    lists = {
+        name: msgspec.msgpack.decode(value)
+        for name in ("block_hashes", "token_ids")
+        if type(value := getattr(ev, name, None)) is msgspec.Raw
+    }
+    return msgspec.structs.replace(ev, **lists) if lists else ev
+
+
 def _kind_of(cls: type) -> int:
     kind = _KINDS.get(cls)
     if kind is None:
@@ -801,6 +828,7 @@ def _moved_store(ev: Any) -> BlockStored:
 
 
 if _accel is not None:  # this package's own classes, known to the C loop from the start
+    _accel.set_raw_type(msgspec.Raw)
     for _cls in (BlockStored, BlockRemoved, AllBlocksCleared, BlockMoved):
         _accel.register(_cls, _kind_of(_cls))
         teach(_accel, _cls)

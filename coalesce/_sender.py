@@ -374,11 +374,11 @@ class Sender:
         return out
 
     def _compact(self, window: list[Any], fold_only: bool) -> tuple[list[Any], Any]:
-        """:func:`compact_for_wire` (merged lists written as their encoding) unless a
-        recorder reads the result or ``BlockMoved`` events are wanted."""
+        """:func:`compact_for_wire` (merged lists written as their encoding, which the
+        recorder reads too) unless ``BlockMoved`` events are wanted."""
         move, accel = self._settings.move_events, self.accelerated
         certain = self._settings.parentless_copies
-        if self.feed is None and not move:
+        if not move:
             return compact_for_wire(
                 window, fold_only=fold_only, accelerated=accel, parentless_copies=certain
             )

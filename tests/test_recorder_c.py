@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from coalesce import _layout, _recorder
 from coalesce._recorder import Recorder
 from coalesce.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, KVEventBatch
+from tests.test_accel import chains
 
 _crecord = _recorder._accel
 pytestmark = pytest.mark.skipif(_crecord is None, reason="the C recorder is not built")
@@ -379,3 +380,116 @@ def test_a_class_with_a_field_that_is_not_a_slot_is_applied_in_python():
     rec = Recorder(100, accelerated=True)
     rec.record(KVEventBatch(ts=0.0, events=[Plain()], data_parallel_rank=0))
     assert rec.valid and rec.state() == {("GPU", None, 5): 1}
+
+
+# -- compact_for_wire's results: merged lists as msgspec.Raw ------------------------
+
+
+def _wire_and_objects(batches: list[Any], fold_only: bool = False) -> tuple[list[Any], list[Any]]:
+    from coalesce import compactor
+
+    wire, _ = compactor.compact_for_wire(list(batches), fold_only=fold_only)
+    out, _ = compactor.compact(list(batches), fold_only=fold_only)
+    return wire, out
+
+
+def _same_encoded(a: Recorder, b: Recorder) -> None:
+    enc = msgspec.msgpack.Encoder()
+    assert a.export() == b.export()
+    assert (a.valid, a.held, a.retained) == (b.valid, b.held, b.retained)
+    assert [enc.encode(ch) for ch in a.chunks()] == [enc.encode(ch) for ch in b.chunks()]
+
+
+RAW_HASHES = st.one_of(
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([0, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**64 - 1]),
+    st.sampled_from([-1, -32, -33, -128, -129, -32768, -32769, -(2**31) - 1, -(2**63)]),
+    st.binary(max_size=300),
+)
+
+
+@st.composite
+def long_chains(draw: Any) -> list[Any]:
+    """Chains long enough that compact_for_wire writes their merged hash lists as
+    Raw (32 hashes or more), of every msgpack int and bin width, some hashes
+    removed again, in a medium or two, cut into batches."""
+    events: list[Any] = []
+    for medium in draw(st.sampled_from((["GPU"], ["GPU", "CPU"]))):
+        hs = draw(st.lists(RAW_HASHES, min_size=32, max_size=80, unique=True))
+        tokens = draw(st.booleans())
+        parent: Any = draw(st.one_of(st.none(), RAW_HASHES))
+        i = 0
+        while i < len(hs):
+            n = draw(st.integers(1, 8))
+            run = hs[i : i + n]
+            toks = [j for j in range(2 * len(run))] if tokens else []
+            events.append(BlockStored(run, parent, toks, 2, None, medium, None))
+            parent, i = run[-1], i + n
+        for h in draw(st.lists(st.sampled_from(hs), max_size=4)):
+            events.append(BlockRemoved([h], medium))
+    cuts = sorted(draw(st.lists(st.integers(0, len(events)), max_size=2)))
+    bounds = [0, *cuts, len(events)]
+    return [
+        KVEventBatch(ts=float(i), events=events[a:b])
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(chains(), long_chains()), st.booleans())
+def test_compact_for_wire_results_are_recorded_as_compact_results(batches, fold_only):
+    """The sender compacts with compact_for_wire with a recorder too: a merged hash or
+    token list is a msgspec.Raw of its encoding (every msgpack int and bin width).
+    The C state reads it in C, and the Python loop as a list: both end as recording
+    compact()'s results, with the same program on the wire."""
+    wire, out = _wire_and_objects(batches, fold_only)
+    c = Recorder(10**6, accelerated=True)
+    py_wire, py = Recorder(10**6, accelerated=False), Recorder(10**6, accelerated=False)
+    for bw, bo in zip(wire, out, strict=True):
+        c.record(bw)
+        py_wire.record(bw)
+        py.record(bo)
+        c.check()
+        assert c._cmode, "Raw lists are read in C"
+        _same_encoded(c, py)
+        _same_encoded(py_wire, py)
+
+
+def test_raw_lists_recorded_in_c_are_lists_once_the_state_moves_to_python():
+    chain = [
+        BlockStored(
+            [2 * i, 2**63 + i],
+            2**63 + i - 1 if i else None,
+            [i, -i, 2**40, 7],
+            2,
+            None,
+            "GPU",
+            None,
+        )
+        for i in range(40)
+    ]
+    chain += [
+        BlockStored([b"b%d" % i, -5 - i], None, [1] * 4, 2, None, "CPU", None) for i in range(20)
+    ]
+    for i in range(1, 20):
+        chain[40 + i].parent_block_hash = -5 - (i - 1)
+    wire, out = _wire_and_objects([KVEventBatch(ts=0.0, events=chain)])
+    raw = [
+        type(getattr(e, f)) is msgspec.Raw
+        for e in wire[0].events
+        for f in ("block_hashes", "token_ids")
+    ]
+    assert sum(raw) >= 4, "both chains' hash and token lists are Raw"
+    c, py = Recorder(10**6, accelerated=True), Recorder(10**6, accelerated=False)
+    c.record(wire[0])
+    py.record(out[0])
+    assert c._cmode
+    _same_encoded(c, py)
+    odd = KVEventBatch(ts=1.0, events=[BlockStored([1.5], 2, [], 2, None, "GPU", None)])
+    c.record(odd)
+    py.record(odd)
+    assert not c._cmode and c.valid, "the Python loop holds it now"
+    c.check()
+    _same_encoded(c, py)
+    lists = [e for ch in c.chunks() for e in ch if isinstance(e, BlockStored)]
+    assert all(type(e.block_hashes) is list and type(e.token_ids) is list for e in lists)
