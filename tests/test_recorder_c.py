@@ -493,3 +493,35 @@ def test_raw_lists_recorded_in_c_are_lists_once_the_state_moves_to_python():
     _same_encoded(c, py)
     lists = [e for ch in c.chunks() for e in ch if isinstance(e, BlockStored)]
     assert all(type(e.block_hashes) is list and type(e.token_ids) is list for e in lists)
+
+
+def test_a_raw_hash_list_in_any_int_form_is_read_as_its_ints():
+    """A Raw list written otherwise than msgspec writes (a non-negative int in a signed
+    form, a small one in a wide form) holds the same ints: read as plain keys, as
+    the Python loop reads the decoded list."""
+    hashes = msgspec.Raw(
+        b"\x95\xd0\x05\xd3"
+        + (2**40).to_bytes(8, "big")
+        + b"\xcf"
+        + (7).to_bytes(8, "big")
+        + b"\xd0\xfb\xc4\x01z"
+    )
+    assert msgspec.msgpack.decode(hashes) == [5, 2**40, 7, -5, b"z"]
+    store = BlockStored(hashes, None, [], 2, None, "GPU", None)
+    removal = BlockRemoved([5, 7, -5, b"z"], "GPU")
+    c, py = Recorder(100, accelerated=True), Recorder(100, accelerated=False)
+    for b in (
+        KVEventBatch(ts=0.0, events=[store]),
+        KVEventBatch(ts=1.0, events=[removal]),
+    ):
+        c.record(b)
+        py.record(b)
+        assert c._cmode
+        c.check()
+        assert c.export() == py.export() and c.state() == py.state()
+        assert [_decoded(ch) for ch in c.chunks()] == [_decoded(ch) for ch in py.chunks()]
+    assert c.state() == {("GPU", None, 2**40): 1}
+
+
+def _decoded(chunk: list[Any]) -> Any:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(chunk))
