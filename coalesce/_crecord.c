@@ -735,6 +735,17 @@ static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *fl
  * hash and token lists as a Raw holding the list's msgpack encoding. */
 static PyTypeObject *g_raw_type = NULL;
 
+/* The k-byte big-endian unsigned int at *q (k <= 8) in *u, *q moved past it;
+ * 0 when fewer than k bytes are left before end. */
+static int take_be(const unsigned char **q, const unsigned char *end, size_t k, uint64_t *u) {
+    if ((size_t)(end - *q) < k) return 0;
+    uint64_t v = 0;
+    for (size_t i = 0; i < k; i++) v = v << 8 | (*q)[i];
+    *q += k;
+    *u = v;
+    return 1;
+}
+
 /* A Raw holding a msgpack array: *p its first element, *end the end, *n its
  * length.  0 when o is not such a Raw.  (The bytes stay valid while o lives:
  * a Raw is immutable, and the event holding it is held by the caller.) */
@@ -750,16 +761,12 @@ static int raw_list(PyObject *o, const unsigned char **p, const unsigned char **
     PyBuffer_Release(&view);
     if (q >= e) return 0;
     unsigned char b = *q++;
-    size_t len, k = 0;
+    uint64_t len;
     if ((b & 0xf0) == 0x90) {
         len = b & 0x0f;
-    } else if (b == 0xdc || b == 0xdd) {
-        k = b == 0xdc ? 2 : 4;
-        if ((size_t)(e - q) < k) return 0;
-        len = 0;
-        for (size_t i = 0; i < k; i++) len = len << 8 | q[i];
-        q += k;
-    } else {
+    } else if (b != 0xdc && b != 0xdd) {
+        return 0;
+    } else if (!take_be(&q, e, b == 0xdc ? 2 : 4, &len)) {
         return 0;
     }
     *p = q;
@@ -777,47 +784,32 @@ static int raw_hash(State *st, const unsigned char **p, const unsigned char *end
     const unsigned char *q = *p;
     if (q >= end) return 0;
     unsigned char b = *q++;
-    if (b < 0x80) {
-        *h = b;
-        *flag = 0;
-        *p = q;
-        return 1;
-    }
-    size_t k = 0;
-    PyObject *o = NULL;
-    if (b >= 0xcc && b <= 0xcf) { /* uint 8/16/32/64 */
-        k = (size_t)1 << (b - 0xcc);
-        if ((size_t)(end - q) < k) return 0;
-        uint64_t u = 0;
-        for (size_t i = 0; i < k; i++) u = u << 8 | q[i];
+    uint64_t u = b, len = 0; /* len: a bin's bytes, after its header */
+    PyObject *o;
+    if (b < 0x80 || (b >= 0xcc && b <= 0xcf)) { /* positive fixint, uint 8/16/32/64 */
+        if (b >= 0x80 && !take_be(&q, end, (size_t)1 << (b - 0xcc), &u)) return 0;
         *h = u;
         *flag = 0;
-        *p = q + k;
+        *p = q;
         return 1;
     } else if (b >= 0xe0) { /* negative fixint */
         o = PyLong_FromLong((long)(int8_t)b);
     } else if (b >= 0xd0 && b <= 0xd3) { /* int 8/16/32/64 */
-        k = (size_t)1 << (b - 0xd0);
-        if ((size_t)(end - q) < k) return 0;
-        uint64_t u = 0;
-        for (size_t i = 0; i < k; i++) u = u << 8 | q[i];
+        size_t k = (size_t)1 << (b - 0xd0);
+        if (!take_be(&q, end, k, &u)) return 0;
         if (k < 8 && (u >> (8 * k - 1)) & 1) u |= ~(uint64_t)0 << (8 * k); /* sign */
         o = PyLong_FromLongLong((long long)u);
     } else if (b >= 0xc4 && b <= 0xc6) { /* bin 8/16/32 */
-        size_t lk = (size_t)1 << (b - 0xc4), len = 0;
-        if ((size_t)(end - q) < lk) return 0;
-        for (size_t i = 0; i < lk; i++) len = len << 8 | q[i];
-        q += lk;
-        if ((size_t)(end - q) < len) return 0;
+        if (!take_be(&q, end, (size_t)1 << (b - 0xc4), &len) || (uint64_t)(end - q) < len)
+            return 0;
         o = PyBytes_FromStringAndSize((const char *)q, (Py_ssize_t)len);
-        k = len;
     } else {
         return 0;
     }
     if (o == NULL) return -1;
     int r = hash_key(st, o, create, h, flag);
     Py_DECREF(o);
-    if (r == 1) *p = q + k;
+    if (r == 1) *p = q + len;
     return r;
 }
 

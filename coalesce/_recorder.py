@@ -193,14 +193,12 @@ class Recorder:
             try:
                 i = fast(batch, self.max_blocks)
             except Exception as exc:  # (as below)
-                self.invalidate(
-                    f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
-                )
+                self._uninterpretable(exc)
                 return
             if i == -2:
                 return
             if i == -1:
-                self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+                self._over_budget()
                 return
             if i >= 0:
                 self._record_list(batch.events, i)
@@ -223,7 +221,7 @@ class Recorder:
         try:
             out = fused(batch, self.max_blocks)
         except Exception as exc:  # (as in record)
-            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+            self._uninterpretable(exc)
             return None
         if type(out) is bytes and type(batch) in TRUSTED:
             return out  # the usual case
@@ -239,13 +237,13 @@ class Recorder:
                 taught = True
                 out = cs.encode_record(batch, self.max_blocks)  # (a class it knows now)
         except Exception as exc:  # (as in record)
-            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+            self._uninterpretable(exc)
             return None
         if out is None:
             return None
         if type(out) is tuple:
             out = out[0]
-            self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+            self._over_budget()
         return checked(batch, out, again=taught)
 
     def _teach(self, cls: type) -> bool:
@@ -274,14 +272,14 @@ class Recorder:
                     i = self._record_from(events, i)
             self._collect()
         except Exception as exc:  # a value it cannot interpret: its effect is unknown
-            self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+            self._uninterpretable(exc)
             return
         if self._cmode:
             counts, kept = self._cs.counts, self._cs.kept
         else:
             counts, kept = self._n[COUNTS], self._n[KEPT]
         if self.valid and (counts > self.max_blocks or kept > self.max_blocks):
-            self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+            self._over_budget()
 
     def record_many(self, batches: Iterable[Any]) -> None:
         """:meth:`record` each of ``batches``, in order: with the C state, one call
@@ -298,16 +296,14 @@ class Recorder:
                 j, r = self._cs.record_batches(batches, j, self.max_blocks)
             except Exception as exc:  # (as in record)
                 j = self._cs.at + 1
-                self.invalidate(
-                    f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})"
-                )
+                self._uninterpretable(exc)
                 continue
             if j == end:
                 return
             batch = batches[j]
             j += 1
             if r == -1:
-                self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
+                self._over_budget()
             elif r >= 0:
                 self._record_list(batch.events, r)
             else:  # (its events are not a list)
@@ -414,6 +410,15 @@ class Recorder:
             for h, value in table.items():
                 table[h] = ids[value >> SHIFT] << SHIFT | value & _COUNT
         self._n[NEXT] = len(ids)
+
+    def _uninterpretable(self, exc: BaseException) -> None:
+        """:meth:`invalidate` for an event whose effect is unknown (``exc`` raised
+        reading or applying it)."""
+        self.invalidate(f"an event it cannot interpret ({type(exc).__name__}: {exc!s:.200})")
+
+    def _over_budget(self) -> None:
+        """:meth:`invalidate` for a state past ``max_blocks``."""
+        self.invalidate(f"more than snapshot_max_blocks={self.max_blocks} blocks kept")
 
     def invalidate(self, reason: str) -> None:
         """Forget everything: unavailable until the next ``AllBlocksCleared``.  O(1)."""
