@@ -62,8 +62,8 @@ enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP,
 #define MAX_TYPES 64
 #define AHEAD 4 /* prefetch distance, in events */
 #define NCACHE 8 /* scopes remembered by value (a stream alternates between a few) */
-static Py_ssize_t g_nogil_from = 4096; /* hashes in a call from which the table is updated
-                                        without the GIL (set_nogil_from) */
+static Py_ssize_t g_nogil_from = 128; /* hashes in a call from which the table is updated
+                                       without the GIL (set_nogil_from) */
 #define MAX_SCOPES 0x7ffffff0u
 
 typedef struct {

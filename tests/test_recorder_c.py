@@ -319,13 +319,15 @@ def test_a_walk_of_a_state_that_changed_raises():
         next(chunks)
 
 
-def test_big_batches_are_applied_with_the_gil_released_and_small_ones_are_not():
+def test_batches_of_128_hashes_or_more_are_applied_with_the_gil_released():
     rec = Recorder(10**6, accelerated=True)
     before = _crecord.gil_releases()
-    rec.record(_cancelling(1, 16, "u64"))
+    rec.record(_cancelling(1, 63, "u64"))  # 126 hashes: a store's and a removal's
     assert _crecord.gil_releases() == before
-    rec.record(_cancelling(2, 8192, "u64"))
+    rec.record(_cancelling(2, 64, "u64"))
     assert _crecord.gil_releases() == before + 1
+    rec.record(_cancelling(3, 8192, "u64"))
+    assert _crecord.gil_releases() == before + 2
     assert rec.held == 0 and rec.valid
 
 
