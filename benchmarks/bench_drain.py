@@ -18,6 +18,8 @@ bytes are over what encoding every batch gives; CPU is the engine's
 process's (every thread; the reader is a process of its own); "raw encode"
 is the CPU of encoding every batch once, in the same run.  Every publisher
 binds tcp loopback, and the reader is connected before the clock starts.
+``coalesce+resync`` records every batch for an in-band resync after a loss
+(``loss_marker="resync"``): what that setting costs the drain.
 
     .venv-vllm/bin/python benchmarks/bench_drain.py   # against the real vLLM class
 """
@@ -100,6 +102,7 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
             max_queue_size=big,
             hwm=0,
             max_pending_events=100 * big,  # everything is published at once
+            loss_marker="resync" if kind == "coalesce+resync" else "clear",
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
@@ -143,11 +146,12 @@ def main() -> None:
         "events",
         "stock Mev/s",
         "coalesce / stock",
+        "coalesce+resync / stock",
         "wire bytes vs stock",
         "engine CPU vs stock",
         "engine CPU vs raw encode",
     )
-    kinds = ("stock", "coalesce")
+    kinds = ("stock", "coalesce", "coalesce+resync")
     workloads = (
         ("big (~110 events)", lambda: [make_batch(i, 37) for i in range(12_000)]),
         ("small (~20 events)", lambda: [make_batch(i, 7) for i in range(60_000)]),
@@ -183,6 +187,7 @@ def main() -> None:
             f"{events:,}",
             f"{rate['stock']:.2f}",
             f"{ratio:.2f}",
+            f"{rate['coalesce+resync'] / rate['stock']:.2f}",
             f"{wire['coalesce']:.2f}",
             f"{cpu['coalesce']:.2f}",
             f"{over_encode:.2f}",
