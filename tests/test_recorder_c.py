@@ -62,6 +62,7 @@ hashes = st.sampled_from(HASHES)
 media = st.sampled_from(("GPU", "CPU"))
 groups = st.sampled_from((None, None, 1))
 localities = st.sampled_from((None, None, "rack1"))
+ownerships = st.sampled_from((None, None, "pool-a"))
 
 
 ODD = [1.5, (1, 2)]
@@ -96,6 +97,7 @@ def events(draw: Any, odd: bool = False) -> Any:
             lora_name=None,
             group_idx=draw(groups),
             locality=draw(localities),
+            ownership=draw(ownerships),
         )
     if kind == "remove":
         if other:
@@ -103,7 +105,11 @@ def events(draw: Any, odd: bool = False) -> Any:
                 note="x", block_hashes=hs, medium=draw(media), group_idx=draw(groups)
             )
         return BlockRemoved(
-            block_hashes=hs, medium=draw(media), group_idx=draw(groups), locality=draw(localities)
+            block_hashes=hs,
+            medium=draw(media),
+            group_idx=draw(groups),
+            locality=draw(localities),
+            ownership=draw(ownerships),
         )
     if kind == "move":
         return BlockMoved(
