@@ -607,6 +607,13 @@ static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, int creat
         v[k] = field(ev, ti, F_MEDIUM + k);
         if (v[k] == NULL) return -2; /* unset */
     }
+    for (int k = 0; k < NCACHE; k++) { /* by identity first: an engine's events share them */
+        ScopeCache *c = &st->cache[k];
+        if (c->valid && v[0] == c->v[0] && v[1] == c->v[1] && v[2] == c->v[2] && v[3] == c->v[3]) {
+            st->cache_last = k;
+            return c->id;
+        }
+    }
     for (int k = 0; k < NCACHE; k++) { /* the last hit first (entries stay in place) */
         int idx = (st->cache_last + k) % NCACHE;
         ScopeCache *c = &st->cache[idx];
