@@ -51,10 +51,10 @@ that is built: the same state, its keys in an open-addressing table of
 (scope id, 64-bit hash) -> count and source, its sources in a C array holding
 the recorded events, read at their msgspec slot offsets (checked at import by
 ``coalesce/_layout.py``), the table updated with the GIL released for calls
-of 128 hashes or more or ones that grow or shrink it; the program is written from
-it by a C walk, a chunk per ``next()``, in the same chunks.  The Python code
-here is its fallback (not built, ``COALESCE_NO_ACCEL=1``, or a layout the C
-code would misread) and the tests' oracle (tests/test_recorder.py and
+of 128 hashes or more, and for ones that grow or shrink it; the program is
+written from it by a C walk, a chunk per ``next()``, in the same chunks.  The
+Python code here is its fallback (not built, ``COALESCE_NO_ACCEL=1``, or a
+layout the C code would misread) and the tests' oracle (tests/test_recorder.py and
 tests/test_recorder_c.py run both and compare them).  :meth:`Recorder.encode`
 is the sender's path for a batch it sends as it came: the C state writes the
 batch's msgpack (msgspec's bytes: ``coalesce._fused``) and reads its events for
