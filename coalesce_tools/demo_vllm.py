@@ -24,17 +24,16 @@ engine and publisher), so a row costs the engine's run, not vLLM's import.
 
 from __future__ import annotations
 
-import itertools
 import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import random
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from coalesce_tools.demo import free_ports
 
 __all__ = ["ROWS", "RowResult", "run_scheduler_demo"]
 
@@ -199,11 +198,9 @@ def run_row(
 ) -> RowResult:
     from coalesce.subscriber import Subscriber
 
-    ports_list = free_ports(3)
-    # each kind's ports: base + rank (vLLM's tcp rule); leave room for the ranks
-    base = {"pub": ports_list[0], "replay": ports_list[1], "snap": ports_list[2]}
-    ports = dict(base)
-    _check_ranges(ports, ranks)
+    # each kind's ports: base + rank (vLLM's tcp rule)
+    first = _free_span(3 * ranks)
+    ports = {"pub": first, "replay": first + ranks, "snap": first + 2 * ranks}
     eps = [f"tcp://127.0.0.1:{ports['pub'] + r}" for r in range(ranks)]
     reps: list[str | None] = [f"tcp://127.0.0.1:{ports['replay'] + r}" for r in range(ranks)]
     snaps: list[str | None] = [
@@ -282,12 +279,35 @@ def run_row(
     return res
 
 
-def _check_ranges(ports: dict[str, int], ranks: int) -> None:
-    """The three bases must leave ``ranks`` ports each (OS-picked ports rarely collide)."""
-    spans = sorted((p, p + ranks) for p in ports.values())
-    for (a0, a1), (b0, _) in itertools.pairwise(spans):
-        if a1 > b0:
-            raise RuntimeError(f"port ranges overlap ({a0}-{a1}, {b0}); run again")
+def _ephemeral_low() -> int:
+    """The first port the OS picks for outgoing connections (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_span(width: int, tries: int = 200) -> int:
+    """The first of ``width`` consecutive tcp ports, each free now on every interface, below
+    the range the OS picks outgoing connections' ports from: the subscriber connects
+    before the ranks bind, and an OS-picked port could be one of a rank's."""
+    top = min(_ephemeral_low(), 65536) - width
+    for _ in range(tries):
+        first = random.randrange(10_000, max(top, 10_001))
+        socks = []
+        try:
+            for port in range(first, first + width):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", port))  # as the ranks bind: every interface
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {width} consecutive free tcp ports found")
 
 
 def table(rows: list[RowResult]) -> str:
