@@ -7,15 +7,17 @@ that every sender drains as they come (about 20, 110 and 440 events); the load
 column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
-alternate, ``--rounds`` times per size; medians.  ``coalesce+resync`` records
-every batch for an in-band resync after a loss (``loss_marker=resync``, no
-snapshot socket); ``coalesce+snap`` records for snapshots (``snapshot_endpoint``,
-opt-in); ``coalesce+snap, windows`` too, with what it sent as it came gathered
-and recorded as the compactor's output of each 512 events (``RECORD_WINDOW=512``,
-the recorder's feed before its state was C).  ``engine vs stock`` is the
-loop's wall time over stock's in the same round; ``publish()`` percentiles
-are of every call of the round (medians over rounds).  ``stock blocked``: the
-most calls in a round that found vLLM's queue full (its ``publish()`` waited).
+alternate, ``--rounds`` times per size; medians.  ``coalesce`` runs with the
+default settings, so it records every batch for an in-band resync after a loss
+(``loss_marker=resync``, no snapshot socket); ``coalesce, clear`` runs without
+that recorder (``loss_marker=clear``); ``coalesce+snap`` records for snapshots
+too (``snapshot_endpoint``, opt-in); ``coalesce+snap, windows`` too, with what
+it sent as it came gathered and recorded as the compactor's output of each 512
+events (``RECORD_WINDOW=512``, the recorder's feed before its state was C).
+``engine vs stock`` is the loop's wall time over stock's in the same round;
+``publish()`` percentiles are of every call of the round (medians over rounds).
+``stock blocked``: the most calls in a round that found vLLM's queue full (its
+``publish()`` waited).
 
 ``--pin`` gives the engine thread a core of its own (Linux): the publisher's
 threads (its sender, ZeroMQ's I/O thread) and the reader process are started
@@ -53,7 +55,7 @@ from coalesce.testing import IDLE_POLL, policy
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import header, row, run
 
-KINDS = ("stock", "coalesce", "coalesce+resync", "coalesce+snap", "coalesce+snap, windows")
+KINDS = ("stock", "coalesce", "coalesce, clear", "coalesce+snap", "coalesce+snap, windows")
 WINDOWS = "coalesce+snap, windows"
 """Snapshots on, what was sent as it came gathered and compacted in windows of 512 events
 before it is recorded (``RECORD_WINDOW=512``): the A/B of the feed's windows."""
@@ -136,7 +138,7 @@ def one_run(
             endpoint=endpoint,
             max_queue_size=100,
             snapshot_endpoint=f"tcp://*:{snap_port}" if "snap" in kind else None,
-            loss_marker="resync" if "resync" in kind else "clear",
+            loss_marker="clear" if "clear" in kind else None,
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB

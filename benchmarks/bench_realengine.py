@@ -3,13 +3,14 @@
 One rank of vLLM 0.33's real scheduler, KV cache manager and eager CPU offload
 manager (``coalesce_tools.vllm_engine``, the seed-like workload of the demo)
 steps to the end of its workload with, in turn: vLLM's ``NullEventPublisher``
-(the engine alone), vLLM's ``ZmqEventPublisher`` (stock), coalesce (the plugin),
-coalesce recording for resyncs (``loss_marker=resync``: the recorder on every
-batch) and coalesce with snapshots on, first with a pure-CPU loop, then with a fake
-forward pass of 10 ms a step that releases the GIL (``EngineConfig.gpu_ms``:
-what the engine thread does on a GPU, and the time vLLM's sender thread runs
-in).  Each publisher sends over tcp loopback to a SUB
-in another process that reads everything (RCVHWM 0).  The rows run in
+(the engine alone), vLLM's ``ZmqEventPublisher`` (stock), coalesce (the plugin,
+default settings: ``loss_marker=resync``, the recorder on every batch),
+coalesce without the recorder (``loss_marker=clear``) and coalesce with
+snapshots on, first with a pure-CPU loop, then with a fake forward pass of 10 ms
+a step that releases the GIL (``EngineConfig.gpu_ms``: what the engine thread
+does on a GPU, and the time vLLM's sender thread runs in).  Each publisher
+sends over tcp loopback to a SUB in another process that reads everything
+(RCVHWM 0).  The rows run in
 alternated order for ``--rounds`` rounds, in one process (vLLM imported once,
 warmed up); the table gives medians of the engine loop's wall time (to the
 last step, not to the last message sent), of the median and p99 step time, and
@@ -38,9 +39,9 @@ from bench_stock_blocks import _port, _reader
 
 from coalesce_tools.results import header, recording, row
 
-ROWS = ("null", "stock", "coalesce", "coalesce+resync", "coalesce+snap")
+ROWS = ("null", "stock", "coalesce", "coalesce, clear", "coalesce+snap")
 SETTINGS = {
-    "coalesce+resync": "COALESCE_LOSS_MARKER",
+    "coalesce, clear": "COALESCE_LOSS_MARKER",
     "coalesce+snap": "COALESCE_SNAPSHOT_ENDPOINT",
 }
 """The variable each coalesce row sets while its publisher is built."""
@@ -62,7 +63,7 @@ def one(kind: str, gpu_ms: float) -> dict[str, float]:
         variable = SETTINGS.get(kind)
         if variable is not None:
             os.environ[variable] = (
-                "resync" if kind == "coalesce+resync" else f"tcp://127.0.0.1:{_port()}"
+                "clear" if kind == "coalesce, clear" else f"tcp://127.0.0.1:{_port()}"
             )
         try:
             with use_publisher("stock" if kind == "stock" else "coalesce"):

@@ -50,8 +50,10 @@ class Feed:
         max_deferred_events: int,
         policy: Policy = DEFAULT_POLICY,
         accelerated: bool = True,
+        uses: str = "snapshots",
     ) -> None:
         self.recorder = recorder
+        self._uses = uses  # what the log says goes while it is not exact
         self._accelerated = accelerated
         self._window = policy.record_window
         self._least = policy.record_from
@@ -157,8 +159,10 @@ class Feed:
             log.info("kv-coalesce: the snapshot recorder is exact again (after a clear)")
         else:
             log.warning(
-                "kv-coalesce: snapshots unavailable (%s) until the next AllBlocksCleared",
+                "kv-coalesce: the recorder is not exact (%s) until the next "
+                "AllBlocksCleared: %s",
                 rec.reason,
+                self._uses,
             )
 
     # -- walks -----------------------------------------------------------------------

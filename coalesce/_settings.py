@@ -189,17 +189,18 @@ class Settings:
     """Events one compaction step takes (bounds each GIL hold of the sender); a rules
     window takes up to 4x as many while the rest of the sender's GIL slice holds them
     at the rules' measured cost."""
-    loss_marker: LossMarker = _knob(LossMarker.CLEAR, _one_of(LossMarker))  # noqa: RUF009
+    loss_marker: LossMarker = _knob(LossMarker.RESYNC, _one_of(LossMarker))  # noqa: RUF009
     """How a loss (a batch refused past the budget, or one that cannot be encoded) is
-    told to subscribers.  ``clear``: it takes a seq of its own, carried by a batch
-    holding one ``AllBlocksCleared``, so the sequence has no hole and every consumer
-    forgets this rank's blocks (never keeps stale ones); ``resync``: that marker,
-    then the state the publisher's recorder holds, sent in-band before any later
-    batch, so every consumer ends exact (it runs the snapshot recorder, with or
-    without ``snapshot_endpoint``); ``gap``: it skips a seq, which consumers with
-    replay treat as they each do, and which makes llm-d-router's snapshot reader
-    (its PR #2946) start over from a snapshot: with snapshots on, the marker for
-    that reader (docs/subscribers.md)."""
+    told to subscribers.  ``resync``: a batch holding one ``AllBlocksCleared`` takes
+    the loss's seq, then the state the publisher's recorder holds is sent in-band
+    before any later batch, so every consumer ends exact (the recorder runs with or
+    without ``snapshot_endpoint``; while it cannot be exact, past
+    ``snapshot_max_blocks``, a loss is told as ``clear`` and the log says so);
+    ``clear``: that marker alone, so the sequence has no hole and every consumer
+    forgets this rank's blocks (never keeps stale ones), with no recorder running;
+    ``gap``: it skips a seq, which consumers with replay treat as they each do, and
+    which makes llm-d-router's snapshot reader (its PR #2946) start over from a
+    snapshot: with snapshots on, the marker for that reader (docs/subscribers.md)."""
     stall_timeout: float = _knob(1.0, _seconds)
     """Seconds the hand-off deque may stay full (``max_queue_size`` batches) while the
     sender takes nothing from it before publish() refuses batches on that count; 0

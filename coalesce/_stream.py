@@ -8,12 +8,14 @@ A loss (a batch refused, abandoned or unencodable) is noted with
 :meth:`Stream.lose` and shown before the next message, in one of two forms
 (:class:`~coalesce._settings.LossMarker`):
 
-- ``"clear"`` (the default): the loss takes a seq of its own, carried by a
-  *loss marker*, a batch holding one ``AllBlocksCleared`` for this rank. The
-  sequence never has a hole, so a replay is always contiguous; every consumer
-  that applies the batch forgets that rank's blocks (llm-d: every tier of the
-  pod; Dynamo: the worker; vLLM's decoder: an ordinary event), and from there
-  it can only be missing blocks, never hold stale ones.
+- a marker (``"resync"``, the default, and ``"clear"``): the loss takes a seq
+  of its own, carried by a *loss marker*, a batch holding one
+  ``AllBlocksCleared`` for this rank. The sequence never has a hole, so a
+  replay is always contiguous; every consumer that applies the batch forgets
+  that rank's blocks (llm-d: every tier of the pod; Dynamo: the worker; vLLM's
+  decoder: an ordinary event), and from there it can only be missing blocks,
+  never hold stale ones.  With ``"resync"`` the recorded state follows it
+  (``coalesce._resync``), sent through here like any batch.
 - ``"gap"``: the loss skips a seq. A consumer with replay finds that seq
   missing and resets the rank on its own terms (llm-d blacks it out for a
   cooldown); one without replay (Dynamo) keeps whatever the lost batch would

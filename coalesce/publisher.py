@@ -69,6 +69,16 @@ class PublishOutcome(enum.Enum):
     subscribers by a loss marker (or a sequence gap: ``loss_marker``)."""
 
 
+def _without_recorder(snapshots: bool, loss_marker: LossMarker) -> str:
+    """What goes while the recorder is not exact, as the log says it."""
+    told = []
+    if snapshots:
+        told.append("snapshot requests are answered -2")
+    if loss_marker is LossMarker.RESYNC:
+        told.append("a loss is told by its marker alone, as with loss_marker=clear")
+    return " and ".join(told)
+
+
 def _log_start(
     endpoint: str,
     bind: bool,
@@ -300,6 +310,7 @@ class CoalescingPublisher:
                 max_deferred_events=budgets.deferred,
                 policy=hooks.policy,
                 accelerated=hooks.accelerated,
+                uses=_without_recorder(snap_ep is not None, st.loss_marker),
             )
             self._feed = feed
         snapshot = None

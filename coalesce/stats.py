@@ -123,8 +123,9 @@ class ReplayStats:
 
 @dataclass(frozen=True)
 class SnapshotStats:
-    """The snapshot ROUTER's and the recorder's counters (``coalesce._snapshot``); zero
-    and not exact without snapshots."""
+    """The snapshot ROUTER's and the recorder's counters (``coalesce._snapshot``); the
+    recorder runs with snapshots on or ``loss_marker=resync`` (the default), and without
+    it they are zero and not exact."""
 
     snapshot_requests: int = _counter("Well-formed snapshot requests accepted.")
     snapshot_invalid: int = _counter("Snapshot requests ignored (malformed, or too many waiting).")
@@ -138,8 +139,8 @@ class SnapshotStats:
         "at most one window of batches ago)."
     )
     snapshot_exact: bool = _gauge(
-        "1 while snapshots are on and the recorder is exact; 0 while it is unavailable "
-        "(until the next AllBlocksCleared) or snapshots are off.",
+        "1 while the recorder runs (snapshots, or loss_marker=resync) and is exact; 0 "
+        "while it is unavailable (until the next AllBlocksCleared) or does not run.",
         False,
     )
 

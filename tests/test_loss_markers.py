@@ -231,6 +231,49 @@ def test_a_resync_is_the_recorded_state_between_the_marker_and_the_next_batch(ma
     assert (st.batches_collapsed, st.batches_dropped) == (3, 17)
 
 
+def test_past_snapshot_max_blocks_a_resync_falls_back_to_the_marker_alone_and_says_so(
+    make_sub, caplog
+):
+    """With the default ``loss_marker=resync`` and a recorder that cannot hold the
+    engine's blocks (``snapshot_max_blocks=4``, the engine keeps 12): the log says
+    that a loss is told by its marker alone, and one is, with no resync after it:
+    the stream stays contiguous and a consumer keeps nothing stale."""
+    import logging
+
+    from tests.conftest import decode, inproc
+
+    ep = inproc("pub")
+    sub = make_sub(ep)
+    pub = CoalescingPublisher(
+        endpoint=ep, max_queue_size=3, high_watermark=100, stall_timeout=0, snapshot_max_blocks=4
+    )
+    assert pub.settings.loss_marker == "resync"
+    published = [step(i) for i in range(40)]
+    with caplog.at_level(logging.WARNING, logger="coalesce"):
+        try:
+            for b in published[:20]:
+                assert pub.publish(b) is PublishOutcome.QUEUED
+                assert pub.flush(10.0)
+            with held(pub):
+                outcomes = [pub.publish(b) for b in published[20:-1]]
+            assert PublishOutcome.DROPPED in outcomes
+            assert pub.flush(10.0)
+            assert pub.publish(published[-1]) is PublishOutcome.QUEUED  # the marker first
+            assert pub.flush(10.0)
+            st = pub.stats()
+            msgs = sub.recv_until_seq(st.messages_sent - 1)
+        finally:
+            pub.shutdown()
+    said = [r.getMessage() for r in caplog.records if "not exact" in r.getMessage()]
+    assert said and "snapshot_max_blocks=4" in said[0] and "its marker alone" in said[0], said
+    assert st.loss_markers == 1 and st.resyncs == 0 and st.resync_events == 0
+    assert not st.snapshot_exact
+    assert [m[1] for m in msgs] == list(range(len(msgs)))
+    model = SubscriberModel("llmd")
+    model.apply_batches([decode(m[2]) for m in msgs])
+    assert model.held() <= truth(published), "nothing stale"
+
+
 def overloaded(pub: CoalescingPublisher, rounds: int, burst: int) -> list[KVEventBatch]:
     """``rounds`` bursts of ``burst`` steps each published while the sender is held
     (most refused), each released before the next: an overload that persists and
@@ -277,9 +320,9 @@ def test_a_backlog_past_its_budget_collapses_into_state_however_often(make_sub):
 def test_the_seed_workload_under_a_small_budget_ends_exact_for_every_consumer():
     """The overload a new user forces: an event budget of 3,000 and a seed-like engine
     whose sender is held for 150 steps out of every 200 (each hold refuses most of
-    what comes), four times, the engine never waiting for it.  llm-d's rules (with
-    replay), vLLM's decoder on a refcount model, and ``coalesce.subscriber`` each end
-    with the engine's state."""
+    what comes), four times, the engine never waiting for it, every other setting
+    left at its default.  llm-d's rules (with replay), vLLM's decoder on a refcount
+    model, and ``coalesce.subscriber`` each end with the engine's state."""
     from coalesce.subscriber import Subscriber
     from coalesce_tools.workload import Engine, WorkloadConfig
     from tests.conftest import Sub, decode
@@ -293,8 +336,8 @@ def test_the_seed_workload_under_a_small_budget_ends_exact_for_every_consumer():
         replay_endpoint=f"tcp://*:{rport}",
         max_pending_events=3000,
         stall_timeout=0,
-        loss_marker="resync",
     )
+    assert pub.settings.loss_marker == "resync"  # the default
     ep, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"
     llmd = LlmdRulesConsumer(ep, rep, clock=FrozenClock())
     ours = Subscriber(ep, rep)

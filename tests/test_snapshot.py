@@ -93,8 +93,10 @@ def test_off_by_default_the_wire_is_vllms(make_sub):
         (_, _, payload) = sub.recv()
         assert len(msgspec.msgpack.decode(payload)) == 3
         assert len(sub.seq_frames[0]) == 8 and publisher_id(sub.seq_frames[0]) is None
-        assert p.publisher_id is None and not p.stats().snapshot_exact
-        assert p.get_publisher_config().snapshot_endpoint is None
+        assert p.publisher_id is None and p.get_publisher_config().snapshot_endpoint is None
+        assert p.stats().snapshot_exact  # the recorder runs for loss_marker=resync, the default
+    with CoalescingPublisher(endpoint=inproc("pub-clear"), loss_marker="clear") as p:
+        assert not p.stats().snapshot_exact  # no recorder at all
 
 
 def test_live_messages_carry_the_publisher_id_in_a_4th_element_and_an_idle_publisher_beats(

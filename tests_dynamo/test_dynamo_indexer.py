@@ -227,9 +227,9 @@ def test_with_snapshots_on_dynamo_rejects_every_message(tmp_path, identity, said
 
 
 def _overloaded_into_dynamo(indexer: tuple[int, int], lossy: bool) -> tuple[set[int], Any]:
-    """Five bursts of 40 steps with ``loss_marker=resync`` and an event budget a third
-    of the state, each past the budget (or, not ``lossy``, each sent whole): what
-    Dynamo holds, and the stats."""
+    """Five bursts of 40 steps with an event budget a third of the state, every other
+    setting at its default (``loss_marker=resync``), each past the budget (or, not
+    ``lossy``, each sent whole): what Dynamo holds, and the stats."""
     from tests.test_loss_markers import overloaded
 
     port, http = indexer
@@ -238,8 +238,8 @@ def _overloaded_into_dynamo(indexer: tuple[int, int], lossy: bool) -> tuple[set[
         max_queue_size=3 if lossy else 100_000,
         stall_timeout=0,
         max_pending_events=4 if lossy else 100_000,
-        loss_marker="resync",
     )
+    assert pub.settings.loss_marker == "resync"  # the default
     try:
         _join(pub, http)
         overloaded(pub, rounds=5, burst=40)

@@ -220,6 +220,7 @@ def test_a_loss_marker_decodes_with_vllms_types_and_leaves_no_hole(
     contiguous, the marker is vLLM's ``AllBlocksCleared`` for this rank, and
     what follows it is applied as usual."""
     monkeypatch.setenv("COALESCE_STALL_TIMEOUT", "0")  # a held sender is a stalled one
+    monkeypatch.setenv("COALESCE_LOSS_MARKER", "clear")  # the marker alone, no resync
     ep = inproc("pub")
     sub = make_sub(f"{ep}_dp1")
     pub = create(made, rank=1, endpoint=ep, max_queue_size=2)

@@ -217,11 +217,12 @@ def test_a_forced_loss_on_vllms_scheduler_collapses_into_the_pools_truth(
     offload, rules, monkeypatch
 ):
     """Issue 49's overload on the real producer: an event budget of 1,500 (a tenth of
-    what the held sender lets pile up), ``loss_marker=resync``, and no wait in
-    ``publish()``.  The refused batches and the backlog collapse into the recorder's
-    state, sent as one loss marker and a resync; every consumer (vLLM's decoder on a
-    refcount model, the llm-d rules with replay, ``coalesce.subscriber``) ends with
-    exactly what the engine's GPU and CPU pools hold, as on stock's stream."""
+    what the held sender lets pile up) and no wait in ``publish()``, every other
+    setting at its default (``loss_marker=resync``). The refused batches and the
+    backlog collapse into the recorder's state, sent as one loss marker and a
+    resync; every consumer (vLLM's decoder on a refcount model, the llm-d rules
+    with replay, ``coalesce.subscriber``) ends with exactly what the engine's
+    GPU and CPU pools hold, as on stock's stream."""
     from coalesce import compactor
 
     if rules == "C" and not compactor.accelerated():
@@ -229,9 +230,9 @@ def test_a_forced_loss_on_vllms_scheduler_collapses_into_the_pools_truth(
     for knob, value in (
         ("MAX_PENDING_EVENTS", "1500"),
         ("STALL_TIMEOUT", "0"),
-        ("LOSS_MARKER", "resync"),
     ):
         monkeypatch.setenv(f"COALESCE_{knob}", value)
+    monkeypatch.delenv("COALESCE_LOSS_MARKER", raising=False)
     ref = stock(offload)
     run = run_engine("coalesce", offload, python_rules=rules == "python")
     assert run.published == ref.published
