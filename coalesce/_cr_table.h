@@ -4,8 +4,9 @@
  *
  * A key is a scope id and a 64-bit hash, with IFLAG set in the scope word
  * when the 64 bits are an interned object's id rather than the hash's own
- * value (a hash that is not an int in [0, 2**64): bytes, str, a big or
- * negative int).  Open addressing, linear probing, deletion by backward
+ * value (a hash that is not an int in [-2**63, 2**64): bytes, str, a bigger
+ * int), and NFLAG when they are a negative int's two's complement (SGLang's
+ * signed hashes, kept apart from the unsigned int of the same bits).  Open addressing, linear probing, deletion by backward
  * shift (no tombstones: a table under churn stays as full as its keys). */
 #ifndef COALESCE_CR_TABLE_H
 #define COALESCE_CR_TABLE_H
@@ -16,6 +17,8 @@
 #include <string.h>
 
 #define IFLAG 0x80000000u
+#define NFLAG 0x40000000u /* the 64 bits are a negative int's two's complement */
+#define KFLAGS (IFLAG | NFLAG)
 #define EMPTY 0xffffffffu
 #define NIL 0xffffffffu
 
@@ -31,6 +34,10 @@ typedef struct {
     size_t cap, n; /* cap: a power of 2, or 0 */
 } Tab;
 
+
+/* A key's flag bits from hash_key's flag (0 plain, 1 interned, 2 an interned kind
+ * never stored, 3 a negative int). */
+static inline uint32_t kflag(uint8_t f) { return f == 3 ? NFLAG : f ? IFLAG : 0; }
 
 static inline size_t tab_home(const Tab *t, uint64_t h, uint32_t sk) {
     return (size_t)mix64(h ^ ((uint64_t)sk * 0x9e3779b97f4a7c15ULL)) & (t->cap - 1);

@@ -8,8 +8,9 @@
  *   -> count and the source naming it;
  * - scopes: (medium, group_idx, locality, ownership) tuples interned to small
  *   ids, in the order a store first used them (the Python recorder's `live`);
- * - hashes that are not ints in [0, 2**64) (bytes, str, big or negative
- *   ints) interned to ids, held while a kept source stores them;
+ * - hashes that are not ints in [-2**63, 2**64) (bytes, str, bigger ints)
+ *   interned to ids, held while a kept source stores them (a negative int is
+ *   keyed by its two's complement, flagged apart: SGLang's signed hashes);
  * - sources: a C array of slots (freed slots reused) linked in recorded
  *   order; each holds a strong reference to its store event (kept whole for
  *   the program), its hashes as keys, its dependencies and its refs (keys
@@ -92,7 +93,7 @@ typedef struct {
     PyObject *ev;   /* strong; NULL: a free slot */
     uint64_t *hs;   /* its hashes as keys (size > 1), else h1 */
     uint64_t h1;
-    uint8_t *ifl;   /* per hash: 1 when interned; NULL: none is */
+    uint8_t *ifl;   /* per hash: its hash_key flag (1 interned, 3 negative); NULL: all 0 */
     uint32_t *deps; /* ndeps > 1, else d1 */
     uint32_t d1, ndeps;
     uint32_t scope, size, refs, prev, next;
@@ -103,7 +104,7 @@ typedef struct {
 static inline const uint64_t *src_hashes(const Src *s) { return s->size == 1 ? &s->h1 : s->hs; }
 static inline const uint32_t *src_deps(const Src *s) { return s->ndeps == 1 ? &s->d1 : s->deps; }
 static inline uint32_t src_sk(const Src *s, uint32_t j) {
-    return s->scope | (s->ifl != NULL && s->ifl[j] ? IFLAG : 0);
+    return s->scope | (s->ifl != NULL ? kflag(s->ifl[j]) : 0);
 }
 
 typedef struct {
@@ -148,7 +149,7 @@ typedef struct {
     Vec izero;   /* uint32: interned ids that may have fallen to 0 */
     Vec ops;     /* Op */
     Vec hb;      /* uint64: the ops' hashes */
-    Vec hf;      /* uint8: the ops' hashes' flags (1 interned, 2 absent: skip) */
+    Vec hf;      /* uint8: the ops' hashes' flags (1 interned, 2 absent: skip, 3 negative) */
     Vec dead;    /* PyObject *: events of dropped sources, released under the GIL */
     Vec grave;   /* Grave: a forgotten state's events, released a slice a call */
     Vec stack;   /* uint32: sources to release (dependencies, iteratively) */
@@ -241,7 +242,7 @@ static int src_release_slow(State *st, uint32_t id) {
         if (s->ifl != NULL) {
             const uint64_t *hs = src_hashes(s);
             for (uint32_t j = 0; j < s->size; j++) {
-                if (!s->ifl[j]) continue;
+                if (s->ifl[j] != 1) continue; /* (not interned) */
                 uint32_t iid = (uint32_t)hs[j];
                 if (--st->iref[iid] == 0) {
                     uint32_t *z = (uint32_t *)vec_push(&st->izero);
@@ -274,12 +275,12 @@ static int src_release_slow(State *st, uint32_t id) {
     return 1;
 }
 
-/* A held key's source in scope `sk` (its IFLAG the hash's), else in any scope
+/* A held key's source in scope `sk` (its KFLAGS the hash's), else in any scope
  * in their order; NIL when none holds it. */
 static uint32_t held_anywhere(State *st, uint64_t h, uint32_t sk) {
     Ent *e = tab_find(&st->keys, h, sk);
     if (e != NULL) return e->src;
-    uint32_t flag = sk & IFLAG;
+    uint32_t flag = sk & KFLAGS;
     for (uint32_t s = 0; s < st->nscopes; s++) {
         if ((s | flag) == sk) continue; /* (looked at first) */
         e = tab_find(&st->keys, h, s | flag);
@@ -303,7 +304,7 @@ static int apply_store(State *st, Op *op) {
     }
     if (!op->tokens) {
         for (uint32_t j = 0; j < n; j++) {
-            uint32_t flag = hf[j] ? IFLAG : 0;
+            uint32_t flag = kflag(hf[j]);
             for (uint32_t s = 0; s < st->nscopes; s++) {
                 Ent *e = tab_find(&st->keys, hb[j], s | flag);
                 if (e == NULL || !st->src[e->src].tokens) continue;
@@ -349,7 +350,7 @@ static int apply_store(State *st, Op *op) {
         if (s->ifl == NULL) goto oom;
         memcpy(s->ifl, hf, n);
         for (uint32_t j = 0; j < n; j++)
-            if (hf[j]) st->iref[(uint32_t)hb[j]]++;
+            if (hf[j] == 1) st->iref[(uint32_t)hb[j]]++;
     }
     s->ndeps = (uint32_t)st->depbuf.n;
     if (s->ndeps == 1) {
@@ -373,7 +374,7 @@ static int apply_store(State *st, Op *op) {
     uint32_t added = 0, names = 0;
     for (uint32_t j = 0; j < n; j++) {
         int made;
-        Ent *e = tab_put(&st->keys, hb[j], scope | (hf[j] ? IFLAG : 0), &made);
+        Ent *e = tab_put(&st->keys, hb[j], scope | kflag(hf[j]), &made);
         if (e == NULL) return 0;
         uint32_t old = e->src;
         e->src = sid;
@@ -401,7 +402,7 @@ static int apply_remove(State *st, const Op *op) {
     const uint8_t *hf = &VEC_AT(&st->hf, uint8_t, op->h0);
     for (uint32_t j = 0; j < op->n; j++) {
         if (hf[j] == 2) continue; /* an interned kind never stored: not held */
-        Ent *e = tab_find(&st->keys, hb[j], op->scope | (hf[j] ? IFLAG : 0));
+        Ent *e = tab_find(&st->keys, hb[j], op->scope | kflag(hf[j]));
         if (e == NULL) continue; /* a removal of a key not held is a no-op */
         st->counts--;
         if (e->count > 1) {
@@ -425,7 +426,7 @@ static int apply_ops(State *st) {
         if (k + 2 * AHEAD < nops && st->keys.cap > 0) {
             const Op *p = &VEC_AT(&st->ops, Op, k + 2 * AHEAD);
             uint64_t h = VEC_AT(&st->hb, uint64_t, p->h0);
-            uint32_t sk = p->scope | (VEC_AT(&st->hf, uint8_t, p->h0) ? IFLAG : 0);
+            uint32_t sk = p->scope | kflag(VEC_AT(&st->hf, uint8_t, p->h0));
             __builtin_prefetch(&st->keys.e[tab_home(&st->keys, h, sk)]);
             if (p->parent)
                 __builtin_prefetch(
@@ -674,12 +675,23 @@ static long long scope_of(State *st, PyObject *ev, const TypeInfo *ti, int creat
     return id;
 }
 
-/* A hash as a key: 1 read (*h, *flag: 0 plain, 1 interned, 2 an interned kind
- * not interned and !create), 0 a kind it does not take, -1 a Python error. */
+/* A hash as a key: 1 read (*h, *flag: 0 an int in [0, 2**64), 3 a negative int
+ * (its two's complement), 1 interned, 2 an interned kind not interned and
+ * !create), 0 a kind it does not take, -1 a Python error. */
 static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *flag) {
-    if (PyLong_CheckExact(o) && long_u64(o, h)) {
-        *flag = 0;
-        return 1;
+    if (PyLong_CheckExact(o)) {
+        if (long_u64(o, h)) {
+            *flag = 0;
+            return 1;
+        }
+        int over = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &over);
+        if (v < 0 && !over) { /* (-1 with an error: none is set for an exact int) */
+            *h = (uint64_t)v;
+            *flag = 3;
+            return 1;
+        }
+        PyErr_Clear();
     }
     if (!PyLong_CheckExact(o) && !PyBytes_CheckExact(o) && !PyUnicode_CheckExact(o)) return 0;
     PyObject *idobj = PyDict_GetItemWithError(st->intern_ids, o);
@@ -783,9 +795,9 @@ static int raw_list(PyObject *o, const unsigned char **p, const unsigned char **
 }
 
 /* The next element of a Raw hash list as a key (hash_key's results: 1, 0 an
- * element it does not take, -1 a Python error); *p moves past it.  Ints in
- * [0, 2**64) are read as they are; negative ints and bins (the hashes the
- * list path interns) are interned as the objects they decode to. */
+ * element it does not take, -1 a Python error); *p moves past it.  Ints are
+ * read as hash_key reads them (flag 0, or 3 when negative); bins (the hashes
+ * the list path interns) are interned as the objects they decode to. */
 static int raw_hash(State *st, const unsigned char **p, const unsigned char *end, int create,
                     uint64_t *h, uint8_t *flag) {
     const unsigned char *q = *p;
@@ -799,13 +811,21 @@ static int raw_hash(State *st, const unsigned char **p, const unsigned char *end
         *flag = 0;
         *p = q;
         return 1;
-    } else if (b >= 0xe0) { /* negative fixint */
-        o = PyLong_FromLong((long)(int8_t)b);
-    } else if (b >= 0xd0 && b <= 0xd3) { /* int 8/16/32/64 */
-        size_t k = (size_t)1 << (b - 0xd0);
-        if (!take_be(&q, end, k, &u)) return 0;
-        if (k < 8 && (u >> (8 * k - 1)) & 1) u |= ~(uint64_t)0 << (8 * k); /* sign */
-        o = PyLong_FromLongLong((long long)u);
+    } else if (b >= 0xe0 || (b >= 0xd0 && b <= 0xd3)) { /* negative fixint, int 8-64 */
+        if (b >= 0xe0) {
+            u = (uint64_t)(int64_t)(int8_t)b;
+        } else {
+            size_t k = (size_t)1 << (b - 0xd0);
+            if (!take_be(&q, end, k, &u)) return 0;
+            if (k < 8 && (u >> (8 * k - 1)) & 1) u |= ~(uint64_t)0 << (8 * k); /* sign */
+        }
+        if ((int64_t)u < 0) { /* as hash_key keys a negative int */
+            *h = u;
+            *flag = 3;
+            *p = q;
+            return 1;
+        }
+        o = PyLong_FromLongLong((long long)u); /* (msgpack allows a signed form >= 0) */
     } else if (b >= 0xc4 && b <= 0xc6) { /* bin 8/16/32 */
         if (!take_be(&q, end, (size_t)1 << (b - 0xc4), &len) || (uint64_t)(end - q) < len)
             return 0;
@@ -868,7 +888,7 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
                 return r;
             }
             op->parent = flag != 2;
-            op->parent_sk = flag == 1 ? IFLAG : 0;
+            op->parent_sk = kflag(flag);
         }
         PyObject *toks = field(ev, ti, F_TOKENS);
         if (toks == NULL) goto not_taken;
@@ -1280,6 +1300,7 @@ static PyObject *State_sweep(State *st, PyObject *arg) {
 /* A key's hash as the Python object (a new reference). */
 static PyObject *key_object(State *st, uint64_t h, uint32_t sk) {
     if (sk & IFLAG) return Py_NewRef(st->iobj[(uint32_t)h]);
+    if (sk & NFLAG) return PyLong_FromLongLong((long long)h);
     return PyLong_FromUnsignedLongLong((unsigned long long)h);
 }
 
@@ -1313,7 +1334,7 @@ static PyObject *State_export(State *st, PyObject *unused) {
         if (e->sk == EMPTY) continue;
         PyObject *h = key_object(st, e->h, e->sk);
         PyObject *v = PyLong_FromLongLong(((long long)order[e->src] << 32) | e->count);
-        int err = h == NULL || v == NULL ? -1 : PyDict_SetItem(tables[e->sk & ~IFLAG], h, v);
+        int err = h == NULL || v == NULL ? -1 : PyDict_SetItem(tables[e->sk & ~KFLAGS], h, v);
         Py_XDECREF(h);
         Py_XDECREF(v);
         if (err < 0) goto done;
@@ -1480,7 +1501,7 @@ static PyObject *excess(Walk *w) {
     uint32_t nord = 0;
     for (uint32_t s = 0; s < ns; s++) rank[s] = NIL;
     for (size_t k = 0; k < w->fkeys.n; k++) {
-        uint32_t s = VEC_AT(&w->fkeys, Ent, k).sk & ~IFLAG;
+        uint32_t s = VEC_AT(&w->fkeys, Ent, k).sk & ~KFLAGS;
         if (rank[s] == NIL) rank[s] = nord, order[nord++] = s;
     }
     Vec *lists[2] = {&w->again_order, &w->repeats};
@@ -1510,7 +1531,7 @@ static PyObject *excess(Walk *w) {
             uint32_t onesk;
             if (k < nf) {
                 Ent *f = &VEC_AT(&w->fkeys, Ent, k);
-                if ((f->sk & ~IFLAG) != scope) continue;
+                if ((f->sk & ~KFLAGS) != scope) continue;
                 one = f->h;
                 onesk = f->sk;
                 hs = &one;

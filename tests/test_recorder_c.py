@@ -56,8 +56,11 @@ class OtherRemoved(_Event, tag="BlockRemoved"):
     group_idx: int | None = None
 
 
-HASHES = [0, 1, 2, 7, 2**63 + 5, 2**64 - 1, 2**64, 2**70 + 1, -3, b"\x00ab", b"cd", "s1"]
-"""u64 ints, ints the C state interns (past 2**64, negative), bytes and str."""
+HASHES = [0, 1, 2, 7, 2**63 + 5, 2**64 - 1, 2**64 - 3, 2**64, 2**70 + 1, -3, -1, -(2**63)]
+HASHES += [-(2**63) - 1, b"\x00ab", b"cd", "s1"]
+"""u64 ints; negative ints, which the C state keys by their two's complement, apart
+from the u64 of the same bits (-1 and 2**64 - 1, -3 and 2**64 - 3); ints it interns
+(past 2**64, below -2**63); bytes and str."""
 hashes = st.sampled_from(HASHES)
 media = st.sampled_from(("GPU", "CPU"))
 groups = st.sampled_from((None, None, 1))
