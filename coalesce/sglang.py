@@ -112,10 +112,10 @@ class SGLangPublisher(CoalescingPublisher):
     ``max_queue_size``, ``topic`` and ``bind`` (unset: bind ``*``, ``::``,
     ``0.0.0.0``, ``ipc://`` and ``inproc://`` endpoints, connect to the
     rest), plus the ``COALESCE_*`` knobs; unknown keywords are accepted and
-    ignored.  ``loss_marker=resync`` sends SGLang's own recorded stores (their
-    ``cache_salt`` and attribution as published).  Raises ``ValueError`` for
-    settings SGLang's consumers cannot read (snapshots, moves) and, like the base
-    class, for a bad setting or endpoint.
+    ignored.  ``loss_marker=resync`` (the default) sends SGLang's own recorded
+    stores (their ``cache_salt`` and attribution as published).  Raises
+    ``ValueError`` for settings SGLang's consumers cannot read (snapshots, moves)
+    and, like the base class, for a bad setting or endpoint.
     """
 
     def __init__(
