@@ -670,7 +670,7 @@ _COLUMNS = (
     ("gaps", "sequence gaps the subscriber saw"),
     ("resets", "times the subscriber reset a rank's index (it knew it was wrong)"),
     ("recovered", "gaps the subscriber healed with a snapshot instead (coalesce+snap)"),
-    ("markers", "loss markers sent: each made the subscriber forget a rank (coalesce)"),
+    ("markers", "loss markers sent (coalesce): by default each is followed by the rank's state"),
     ("missing", "blocks an engine holds that the subscriber lacks, at the end"),
     ("stale", "blocks the subscriber holds that no engine holds, at the end"),
     ("silent", "stale, and missing with no marker, on ranks with no gap or reset: unknown"),
