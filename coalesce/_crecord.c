@@ -13,8 +13,9 @@
  *   keyed by its two's complement, flagged apart: SGLang's signed hashes);
  * - sources: a C array of slots (freed slots reused) linked in recorded
  *   order; each holds a strong reference to its store event (kept whole for
- *   the program), its hashes as keys, its dependencies and its refs (keys
- *   naming it + dependants).  A source is dropped as soon as its refs fall
+ *   the program; its hash and token lists of ints untracked by the cyclic GC),
+ *   its hashes as keys, its dependencies and its refs (keys naming it +
+ *   dependants).  A source is dropped as soon as its refs fall
  *   to 0 (the Python recorder collects at the end of the batch: the same
  *   state, since nothing can reach a source no key names).
  *
@@ -840,6 +841,19 @@ static int raw_hash(State *st, const unsigned char **p, const unsigned char *end
     return r;
 }
 
+/* A list of exact ints, taken out of the cyclic GC's lists: a kept store's hash and
+ * token lists would otherwise be walked by every full collection of the engine's
+ * process (a million kept blocks: two million lists).  Such a list cannot be part
+ * of a reference cycle; anything else is left as it is.  O(len). */
+static void untrack_ints(PyObject *o) {
+    if (o == NULL || !PyList_CheckExact(o) || !PyObject_GC_IsTracked(o)) return;
+    Py_ssize_t n = PyList_GET_SIZE(o);
+    PyObject **items = ((PyListObject *)o)->ob_item;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyLong_CheckExact(items[i])) return;
+    PyObject_GC_UnTrack(o);
+}
+
 /* Read one store or removal into an op.  1 read (or nothing to do), 0 an event
  * it does not take, -1 a Python error. */
 static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
@@ -877,6 +891,7 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     op->parent_sk = 0;
     op->parent_h = 0;
     op->ntok = 0;
+    PyObject *toks = NULL;
     if (store) {
         PyObject *parent = FIELD(ev, ti->off[F_PARENT]);
         if (parent == NULL) goto not_taken;
@@ -890,7 +905,7 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
             op->parent = flag != 2;
             op->parent_sk = kflag(flag);
         }
-        PyObject *toks = field(ev, ti, F_TOKENS);
+        toks = field(ev, ti, F_TOKENS);
         if (toks == NULL) goto not_taken;
         if (toks == Py_None) {
             op->ntok = 0;
@@ -932,6 +947,8 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     op->h0 = h0;
     if (store) {
         op->ev = Py_NewRef(ev);
+        untrack_ints(hashes);
+        untrack_ints(toks);
         st->store_ops++;
         st->store_hashes += n;
     }

@@ -536,3 +536,30 @@ def test_a_raw_hash_list_in_any_int_form_is_read_as_its_ints():
 
 def _decoded(chunk: list[Any]) -> Any:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(chunk))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_kept_stores_lists_of_ints_leave_the_cyclic_gc(fused: bool) -> None:
+    """The C state keeps every store whole, so a million kept blocks would be two
+    million lists that each full collection of the engine's process walks: a kept
+    store's hash and token lists of exact ints are untracked (no cycle can pass
+    through them).  A list holding anything else, and a removal's list, are left
+    as they are."""
+    rec = Recorder(100, accelerated=True)
+    hashes, tokens, odd = [1, 2], [5, 6, 7, 8], [5, 6.0]
+    gone = [3]
+    events: list[Any] = [
+        BlockStored(hashes, None, tokens, 4, None, "GPU", None),
+        BlockStored([9], None, odd, 2, None, "GPU", None),
+        BlockRemoved(gone, "GPU"),
+    ]
+    assert all(gc.is_tracked(x) for x in (hashes, tokens, odd, gone))
+    batch = KVEventBatch(ts=0.0, events=events)
+    if fused:
+        assert rec.encode(batch) is not None
+    else:
+        rec.record(batch)
+    assert rec.held == 3
+    assert not gc.is_tracked(hashes) and not gc.is_tracked(tokens)
+    assert gc.is_tracked(odd) and gc.is_tracked(gone)
+    assert tokens == [5, 6, 7, 8] and hashes == [1, 2]  # (only the GC's bookkeeping changed)
