@@ -47,7 +47,11 @@ cancel out (store and remove of fresh blocks, as refused batches may be)
 with those blocks held, for the C state and for the Python dicts.  And an
 ``AllBlocksCleared`` over 100,000 and ``--blocks`` held blocks: its wall time
 and the longest hold of the GIL it makes (a ticker thread's longest gap; the
-forgotten events are released a slice per later call, not at once).
+forgotten events are released a slice per later call, not at once).  Last, in
+a fresh process each, the longest of three full collections of the cyclic GC
+with ``--blocks`` one-block stores (vLLM's CPU stores, 16 tokens each) kept by
+the recorder, against the same stores made and dropped: what the kept events
+cost every full collection of the engine's process.
 
 The workloads: the seed-like ones of bench_compact, and vLLM's own
 scheduler's stream (eager offload) as recorded in
@@ -501,6 +505,17 @@ def main() -> None:
             f"{grown:.0f}",
             f"{refused:.1f}",
         )
+    print()
+    header("full GC collection (a fresh process)", "one-block stores", "longest ms", "GC objects")
+    for how, name in (("none", "made and dropped"), ("1", "kept: C state"), ("0", "kept: Python")):
+        out = subprocess.run(
+            [sys.executable, __file__, "--gc-child", str(args.blocks), how],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        pause, objects = json.loads(out.stdout.splitlines()[-1])
+        row(name, f"{args.blocks:,}", f"{pause:.1f}", f"{objects:,}")
 
 
 def rss_child(blocks: int, accelerated: bool) -> None:
@@ -520,6 +535,36 @@ def rss_child(blocks: int, accelerated: bool) -> None:
     print(json.dumps([nbytes, grown / 2**20, (rss() - before) / 2**20]))
 
 
+def gc_child(blocks: int, how: str) -> None:
+    """In a fresh process: the longest of three full collections of the cyclic GC with
+    ``blocks`` one-block stores (vLLM's CPU stores: a hash list and 16 tokens each)
+    kept by the recorder (``how``: "1" the C state, "0" the Python dicts), or made
+    and dropped ("none")."""
+    rec = None if how == "none" else Recorder(blocks + 1, accelerated=how == "1")
+    for start in range(0, blocks, 100):
+        events: list[Any] = [
+            BlockStored(
+                block_hashes=[h + 1],
+                parent_block_hash=None,
+                token_ids=list(range(16)),
+                block_size=16,
+                lora_id=None,
+                medium="CPU",
+                lora_name=None,
+            )
+            for h in range(start, min(start + 100, blocks))
+        ]
+        if rec is not None:
+            rec.record(KVEventBatch(ts=0.0, events=events, data_parallel_rank=0))
+    gc.collect()
+    pauses = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        gc.collect()
+        pauses.append(time.perf_counter() - t0)
+    print(json.dumps([max(pauses) * 1e3, len(gc.get_objects())]))
+
+
 def _c_mb(rec: Recorder) -> str:
     """The recorder's C state (table, sources, their hashes), in MB; "" without one."""
     cs = rec._cs
@@ -527,6 +572,9 @@ def _c_mb(rec: Recorder) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--gc-child"]:
+        gc_child(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
     if sys.argv[1:2] == ["--rss-child"]:
         rss_child(int(sys.argv[2]), sys.argv[3] == "1")
     else:
