@@ -344,18 +344,23 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def root_store(hashes: list[int], medium: str = "GPU") -> BlockStored:
+    """A store of ``hashes`` with no parent, 16 tokens a block (vLLM's default size)."""
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=list(range(16 * len(hashes))),
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
 def cancelling(i: int) -> KVEventBatch:
     """A batch that stores 4 fresh blocks and removes them: the state is unchanged."""
     hashes = [(2**50 + 4 * i + j) * 2654435761 % 2**64 for j in range(4)]
-    store = BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=list(range(64)),
-        block_size=16,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    store = root_store(hashes)
     gone = BlockRemoved(block_hashes=hashes, medium="GPU")
     return KVEventBatch(ts=0.0, events=[store, gone], data_parallel_rank=0)
 
@@ -365,15 +370,7 @@ def big_state(blocks: int, accelerated: bool | None = None) -> Recorder:
     rec = Recorder(blocks + 1, accelerated=accelerated)
     for start in range(0, blocks, 64):
         hashes = [(2**40 + h) * 2654435761 % 2**64 for h in range(start, min(start + 64, blocks))]
-        ev = BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None,
-            token_ids=list(range(16 * len(hashes))),
-            block_size=16,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
+        ev = root_store(hashes)
         rec.record(KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0))
     assert rec.valid and rec.held == blocks
     return rec
@@ -543,16 +540,7 @@ def gc_child(blocks: int, how: str) -> None:
     rec = None if how == "none" else Recorder(blocks + 1, accelerated=how == "1")
     for start in range(0, blocks, 100):
         events: list[Any] = [
-            BlockStored(
-                block_hashes=[h + 1],
-                parent_block_hash=None,
-                token_ids=list(range(16)),
-                block_size=16,
-                lora_id=None,
-                medium="CPU",
-                lora_name=None,
-            )
-            for h in range(start, min(start + 100, blocks))
+            root_store([h + 1], "CPU") for h in range(start, min(start + 100, blocks))
         ]
         if rec is not None:
             rec.record(KVEventBatch(ts=0.0, events=events, data_parallel_rank=0))

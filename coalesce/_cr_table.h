@@ -6,8 +6,9 @@
  * when the 64 bits are an interned object's id rather than the hash's own
  * value (a hash that is not an int in [-2**63, 2**64): bytes, str, a bigger
  * int), and NFLAG when they are a negative int's two's complement (SGLang's
- * signed hashes, kept apart from the unsigned int of the same bits).  Open addressing, linear probing, deletion by backward
- * shift (no tombstones: a table under churn stays as full as its keys). */
+ * signed hashes, kept apart from the unsigned int of the same bits).  Open
+ * addressing, linear probing, deletion by backward shift (no tombstones: a
+ * table under churn stays as full as its keys). */
 #ifndef COALESCE_CR_TABLE_H
 #define COALESCE_CR_TABLE_H
 

@@ -32,9 +32,12 @@ from coalesce._recorder import Recorder
 from coalesce.compactor import compact
 from coalesce.stats import SnapshotStats
 
-__all__ = ["Feed", "Walk"]
+__all__ = ["SNAPSHOTS_REFUSED", "Feed", "Walk"]
 
 log = logging.getLogger("coalesce")
+
+SNAPSHOTS_REFUSED = "snapshot requests are answered -2"
+"""What the log says goes while the recorder is not exact, with snapshots on."""
 
 Walk = Generator[list[Any], None, None]
 """The recorder's program, a chunk (one batch's events) at a time."""
@@ -50,7 +53,7 @@ class Feed:
         max_deferred_events: int,
         policy: Policy = DEFAULT_POLICY,
         accelerated: bool = True,
-        uses: str = "snapshots",
+        uses: str = SNAPSHOTS_REFUSED,
     ) -> None:
         self.recorder = recorder
         self._uses = uses  # what the log says goes while it is not exact

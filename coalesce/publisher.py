@@ -33,7 +33,7 @@ import msgspec
 
 from coalesce import _hooks
 from coalesce._backlog import Backlog
-from coalesce._feed import Feed
+from coalesce._feed import SNAPSHOTS_REFUSED, Feed
 from coalesce._gate import Gate
 from coalesce._recorder import Recorder
 from coalesce._replay import ReplayService
@@ -73,7 +73,7 @@ def _without_recorder(snapshots: bool, loss_marker: LossMarker) -> str:
     """What goes while the recorder is not exact, as the log says it."""
     told = []
     if snapshots:
-        told.append("snapshot requests are answered -2")
+        told.append(SNAPSHOTS_REFUSED)
     if loss_marker is LossMarker.RESYNC:
         told.append("a loss is told by its marker alone, as with loss_marker=clear")
     return " and ".join(told)
