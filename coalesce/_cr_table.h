@@ -28,6 +28,7 @@ typedef struct {
     uint32_t sk;    /* scope id | IFLAG; EMPTY: a free slot */
     uint32_t count; /* the key's count (the walk's counters: a count) */
     uint32_t src;   /* the source naming it (the walk's counters: unused) */
+    uint32_t mix;   /* mix64(h)'s low 32 bits: its home, without mixing again */
 } Ent;
 
 typedef struct {
@@ -40,13 +41,22 @@ typedef struct {
  * never stored, 3 a negative int). */
 static inline uint32_t kflag(uint8_t f) { return f == 3 ? NFLAG : f ? IFLAG : 0; }
 
-static inline size_t tab_home(const Tab *t, uint64_t h, uint32_t sk) {
-    return (size_t)mix64(h ^ ((uint64_t)sk * 0x9e3779b97f4a7c15ULL)) & (t->cap - 1);
+/* A key's home slot: its hash's alone, whatever its scope, so that a block's
+ * keys in its tiers (a GPU store, the CPU store that offloads it, the GPU
+ * removal between them) are neighbours: in a table past the caches, only the
+ * first of them is a random access. */
+static inline size_t tab_home(const Tab *t, uint64_t h) {
+    return (size_t)mix64(h) & (t->cap - 1);
+}
+
+/* An entry's home (cap <= 2**32: the bits it keeps). */
+static inline size_t ent_home(const Tab *t, const Ent *x) {
+    return (size_t)x->mix & (t->cap - 1);
 }
 
 static inline Ent *tab_find(const Tab *t, uint64_t h, uint32_t sk) {
     if (t->cap == 0) return NULL;
-    size_t m = t->cap - 1, i = tab_home(t, h, sk);
+    size_t m = t->cap - 1, i = tab_home(t, h);
     for (;;) {
         Ent *x = &t->e[i];
         if (x->sk == sk && x->h == h) return x;
@@ -56,6 +66,7 @@ static inline Ent *tab_find(const Tab *t, uint64_t h, uint32_t sk) {
 }
 
 static int tab_resize(Tab *t, size_t cap) {
+    if ((uint64_t)cap > ((uint64_t)1 << 32)) return 0; /* (ent_home's bits) */
     Ent *e = (Ent *)malloc(cap * sizeof(Ent));
     if (e == NULL) return 0;
     for (size_t i = 0; i < cap; i++) e[i].sk = EMPTY;
@@ -63,7 +74,7 @@ static int tab_resize(Tab *t, size_t cap) {
     for (size_t i = 0; i < t->cap; i++) {
         Ent *x = &t->e[i];
         if (x->sk == EMPTY) continue;
-        size_t j = tab_home(&nt, x->h, x->sk);
+        size_t j = ent_home(&nt, x);
         while (e[j].sk != EMPTY) j = (j + 1) & (cap - 1);
         e[j] = *x;
         nt.n++;
@@ -77,11 +88,13 @@ static int tab_resize(Tab *t, size_t cap) {
  * NULL when out of memory. */
 static inline Ent *tab_put(Tab *t, uint64_t h, uint32_t sk, int *made) {
     if ((t->n + 1) * 2 > t->cap && !tab_resize(t, t->cap ? t->cap * 2 : 64)) return NULL;
-    size_t m = t->cap - 1, i = tab_home(t, h, sk);
+    uint64_t mixed = mix64(h);
+    size_t m = t->cap - 1, i = (size_t)mixed & m;
     for (;;) {
         Ent *x = &t->e[i];
         if (x->sk == EMPTY) {
             x->h = h;
+            x->mix = (uint32_t)mixed;
             x->sk = sk;
             x->count = 0;
             x->src = NIL;
@@ -104,7 +117,7 @@ static inline void tab_del(Tab *t, Ent *x) {
         j = (j + 1) & m;
         Ent *y = &t->e[j];
         if (y->sk == EMPTY) break;
-        size_t k = tab_home(t, y->h, y->sk);
+        size_t k = ent_home(t, y);
         /* y may move to i when its home is not in (i, j] (cyclically) */
         if ((j > i && (k <= i || k > j)) || (j < i && (k <= i && k > j))) {
             t->e[i] = *y;

@@ -426,12 +426,8 @@ static int apply_ops(State *st) {
         /* the table slot of a later op's first hash (the loop's cache miss), fetched ahead */
         if (k + 2 * AHEAD < nops && st->keys.cap > 0) {
             const Op *p = &VEC_AT(&st->ops, Op, k + 2 * AHEAD);
-            uint64_t h = VEC_AT(&st->hb, uint64_t, p->h0);
-            uint32_t sk = p->scope | kflag(VEC_AT(&st->hf, uint8_t, p->h0));
-            __builtin_prefetch(&st->keys.e[tab_home(&st->keys, h, sk)]);
-            if (p->parent)
-                __builtin_prefetch(
-                    &st->keys.e[tab_home(&st->keys, p->parent_h, p->parent_sk | p->scope)]);
+            __builtin_prefetch(&st->keys.e[tab_home(&st->keys, VEC_AT(&st->hb, uint64_t, p->h0))]);
+            if (p->parent) __builtin_prefetch(&st->keys.e[tab_home(&st->keys, p->parent_h)]);
         }
         int ok = op->kind == K_STORED ? apply_store(st, op) : apply_remove(st, op);
         if (!ok) return 0;
