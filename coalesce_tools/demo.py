@@ -738,7 +738,7 @@ def conclusions(results: list[PublisherResult]) -> list[str]:
         elif r.publisher == "stock":
             what = f"its queue never filled, so it did not block ({p99})"
         else:
-            what = f"never waits for its sender ({p99})"
+            what = f"never waits on a full queue ({p99})"
         if r.silent:
             loss = (
                 f"lost {r.dropped:,} batches with no gap: the subscriber ended with "
