@@ -840,7 +840,9 @@ static int raw_hash(State *st, const unsigned char **p, const unsigned char *end
 /* A list of exact ints, taken out of the cyclic GC's lists: a kept store's hash and
  * token lists would otherwise be walked by every full collection of the engine's
  * process (a million kept blocks: two million lists).  Such a list cannot be part
- * of a reference cycle; anything else is left as it is.  O(len). */
+ * of a reference cycle while it holds only ints; a published event's lists are not
+ * changed afterwards (were one given a container later, a cycle through it would
+ * be leaked, never freed early).  Anything else is left as it is.  O(len). */
 static void untrack_ints(PyObject *o) {
     if (o == NULL || !PyList_CheckExact(o) || !PyObject_GC_IsTracked(o)) return;
     Py_ssize_t n = PyList_GET_SIZE(o);
