@@ -436,6 +436,44 @@ def test_the_sender_hands_the_gil_over_through_its_policy(pubs):
         assert gil.losing
 
 
+def test_a_caller_waiting_in_flush_gets_no_hand_overs(pubs, monkeypatch):
+    """While flush() waits, the sender ends its turns without a hand-over sleep (the
+    caller waits for it); once flush() returns, it hands the GIL over again."""
+    import threading
+
+    from coalesce import _pacing
+
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+    me = threading.get_ident()
+
+    def counting(seconds: float) -> None:
+        if threading.get_ident() == me:
+            sleeps.append(seconds)
+        real_sleep(seconds)
+
+    pub = pubs(endpoint=inproc("pub"))
+    sender = pub._sender
+    pacing, gil = sender.pacing, sender.pacing.gil
+    monkeypatch.setattr(_pacing.time, "sleep", counting)
+    with held(pub):
+        pub.publish(batch(store(1)))
+        done: list[bool] = []
+        flusher = threading.Thread(target=lambda: done.append(pub.flush(10)))
+        flusher.start()
+        wait_for(lambda: pacing.flushers == 1)
+        sleeps.clear()  # (wait_for's own)
+        gil.began = 0.0  # the turn began long ago
+        pacing.maybe_yield()
+        assert sleeps == [] and gil.began > 0.0  # a new turn, no sleep
+    flusher.join(10)
+    assert done == [True] and pacing.flushers == 0
+    sleeps.clear()
+    gil.began = 0.0
+    pacing.maybe_yield()
+    assert sleeps == [0]
+
+
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
