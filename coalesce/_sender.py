@@ -146,6 +146,9 @@ class Sender:
         release wakes it; an ``Event.set()`` costs about three times as much in the
         engine's thread: a ``Condition`` and its waiter list)."""
         self._bell.acquire()
+        self._quiet = threading.Condition(threading.Lock())
+        """Notified as the thread goes idle while a caller waits in ``flush()``, and
+        as it stops (:meth:`wait_quiet`)."""
         self.thread = threading.Thread(target=self._run, name="coalesce-sender", daemon=True)
 
     def start(self) -> None:
@@ -163,6 +166,16 @@ class Sender:
         """Ask the thread to flush and stop; returns at once.  Safe from any thread."""
         self.closed = True
         self.wake()
+
+    def wait_quiet(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``done()`` holds, checked now, as the thread goes idle and as it
+        stops, for at most ``timeout`` seconds; its last value.  Blocks the caller."""
+        with self._quiet:
+            return self._quiet.wait_for(done, timeout)
+
+    def _tell_quiet(self) -> None:
+        with self._quiet:
+            self._quiet.notify_all()
 
     @property
     def resyncing(self) -> bool:
@@ -184,6 +197,7 @@ class Sender:
             self._die(exc)
         finally:
             self.alive = False
+            self._tell_quiet()
             self.services.close()
             if self.feed is not None:
                 self.feed.close()
@@ -226,6 +240,8 @@ class Sender:
             if len(backlog) or self.closed:
                 self.idle = False
                 continue
+            if self.pacing.flushers:  # what they wait for is done, or no more is coming
+                self._tell_quiet()
             self._bell.acquire(timeout=IDLE_POLL)
             self.idle = False
         self._stream.show_loss()

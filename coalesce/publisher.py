@@ -58,6 +58,10 @@ __all__ = ["CoalescingPublisher", "PublishOutcome"]
 log = logging.getLogger("coalesce")
 _VLLM = PublisherConfig()  # vLLM 0.33's defaults
 
+_FLUSH_CHECK = 0.01
+"""Seconds ``flush()`` waits at most between looks, besides being woken as the sender
+goes idle (a sender kept busy by another thread's batches may never go idle)."""
+
 
 class PublishOutcome(enum.Enum):
     """What ``publish()`` did with a batch.  vLLM ignores it; tests and callers need not."""
@@ -462,24 +466,31 @@ class CoalescingPublisher:
 
         Returns False if that took longer than ``timeout`` seconds, or if the
         sender stopped before it was done.  This one *does* block the caller
-        (polling every millisecond): it is for tests and orderly hand-offs,
-        never for the engine's step loop.  While a caller waits here, the
-        sender keeps the GIL between its steps instead of handing it back
-        every half millisecond: another thread (an engine publishing
-        meanwhile) gets it at CPython's switch interval, as it does from
-        vLLM's own sender.
+        (asleep until the sender goes idle, looking again every 10 ms at the
+        latest): it is for tests and orderly hand-offs, never for the engine's
+        step loop.  While a caller waits here, the sender keeps the GIL between
+        its steps instead of handing it back every half millisecond: another
+        thread (an engine publishing meanwhile) gets it at CPython's switch
+        interval, as it does from vLLM's own sender.
         """
         target = self._backlog.batches_in
         deadline = time.monotonic() + timeout
         sender = self._sender
         backlog = self._backlog
-        with sender.pacing.flushing():
+
+        def done() -> bool:
             # (in this order: the sender is in a step before it takes from the backlog,
             # and a resync it begins there is under way before the step ends)
-            while sender.done < target or len(backlog) or sender.stepping or sender.resyncing:
-                if time.monotonic() >= deadline or not sender.thread.is_alive():
+            return not (
+                sender.done < target or len(backlog) or sender.stepping or sender.resyncing
+            )
+
+        with sender.pacing.flushing():
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0 or not sender.thread.is_alive():
                     return False
-                time.sleep(0.001)
+                sender.wait_quiet(done, min(left, _FLUSH_CHECK))
         return True
 
     def shutdown(self) -> None:

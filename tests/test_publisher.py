@@ -474,6 +474,27 @@ def test_a_caller_waiting_in_flush_gets_no_hand_overs(pubs, monkeypatch):
     assert sleeps == [0]
 
 
+def test_flush_is_woken_by_the_sender_going_idle(pubs, monkeypatch):
+    """flush() sleeps until the sender goes idle: with its fallback look pushed past
+    the test's bounds, it still returns once the sender is done."""
+    import threading
+
+    from coalesce import publisher
+
+    monkeypatch.setattr(publisher, "_FLUSH_CHECK", 1000.0)
+    pub = pubs(endpoint=inproc("pub"))
+    done: list[bool] = []
+    with held(pub):
+        for i in range(20):
+            pub.publish(batch(store(i)))
+        flusher = threading.Thread(target=lambda: done.append(pub.flush(1000.0)))
+        flusher.start()
+        wait_for(lambda: pub._sender.pacing.flushers == 1)
+    flusher.join(10)
+    assert done == [True]
+    assert pub.stats().messages_sent >= 1 and pub._sender.done == 20
+
+
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
