@@ -150,10 +150,21 @@ def _store(h: int, **kw: Any) -> BlockStored:
         _store(1, medium=Odd.A),  # an enum
         _store(1, lora_id=Small.ONE),  # an int subclass
         _store(1, token_ids=[2**64]),  # past 64 bits: msgspec raises
+        _store(1, token_ids=[5, 2**64]),  # the same, after a run of ints
+        _store(1, token_ids=[5, 6, Small.ONE]),  # an int subclass after a run of ints
         _store(1, extra_keys=[((((((((((1,),),),),),),),),),)]),  # nested deeper than it writes
         _store(1, medium=msgspec.UNSET),
     ],
-    ids=["dict", "enum", "int subclass", "int past 64 bits", "deep nesting", "unset"],
+    ids=[
+        "dict",
+        "enum",
+        "int subclass",
+        "int past 64 bits",
+        "past 64 bits after ints",
+        "int subclass after ints",
+        "deep nesting",
+        "unset",
+    ],
 )
 def test_a_value_it_does_not_write_declines_with_nothing_recorded(odd):
     rec = Recorder(10**9)
