@@ -157,17 +157,15 @@ static int put_value(Out *o, PyObject *v, int depth) {
         if ((uint64_t)n >= ((uint64_t)1 << 32) || !put_len(o, MP_ARRAY, (size_t)n)) return 0;
         /* (no element's encoding runs Python code: a list cannot change meanwhile) */
         PyObject **items = PySequence_Fast_ITEMS(v);
-        Py_ssize_t i = 0;
-#ifndef CR_NO_INT_RUN
         /* A run of exact ints (hashes, token ids) in one loop, room made once. */
         if (!out_room(o, (size_t)n * 9)) return 0;
         unsigned char *q = o->p + o->n;
+        Py_ssize_t i = 0;
         for (; i < n && PyLong_CheckExact(items[i]); i++) {
             q = put_int(q, items[i]);
             if (q == NULL) return 0; /* past 64 bits */
         }
         o->n = (size_t)(q - o->p);
-#endif
         for (; i < n; i++)
             if (!put_value(o, items[i], depth + 1)) return 0;
         return 1;

@@ -6,10 +6,7 @@ sleeps.  Every method is O(1) but :meth:`Pacing.keep_budget_free`, O(batches sta
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Iterator
 
 from coalesce._backlog import Backlog
 from coalesce._policy import GilSlice, Policy, RulesCost, rules_window, sends_whole
@@ -27,12 +24,12 @@ class Pacing:
         self.gil = GilSlice(backlog.max_events, policy)
         self.rules_cost = RulesCost()  # sizes the rules windows
         self.flushers = 0
-        """Callers blocked in ``flush()``.  While one is, the sender keeps the GIL
-        between steps: the caller waits for the sender, and a hand-over costs
+        """Callers blocked in ``flush()`` (kept by :meth:`Sender.flushing
+        <coalesce._sender.Sender.flushing>`).  While one is, the sender keeps the
+        GIL between steps: the caller waits for the sender, and a hand-over costs
         the sender a real sleep (``time.sleep(0)``: 50-100 us on Linux since
         CPython 3.11).  Any other thread still gets the GIL at CPython's
         switch interval, as it does from vLLM's own sender."""
-        self._flushers_lock = threading.Lock()
 
     def pending(self) -> int:
         """Events or batches pending, whichever is more: both count to the event budget."""
@@ -52,17 +49,6 @@ class Pacing:
         time.sleep(0)
         # what the engine published while it had the GIL is in: a new turn
         gil.handed_over(time.perf_counter(), self.pending())
-
-    @contextlib.contextmanager
-    def flushing(self) -> Iterator[None]:
-        """A caller blocks in ``flush()`` for the duration (:attr:`flushers`)."""
-        with self._flushers_lock:
-            self.flushers += 1
-        try:
-            yield
-        finally:
-            with self._flushers_lock:
-                self.flushers -= 1
 
     def rules_window(self, step: int) -> int:
         """:func:`~coalesce._policy.rules_window` now: the rest of this turn at the

@@ -24,11 +24,12 @@ waiting is counted as dropped, and the stream shows that loss at once.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -148,7 +149,7 @@ class Sender:
         self._bell.acquire()
         self._quiet = threading.Condition(threading.Lock())
         """Notified as the thread goes idle while a caller waits in ``flush()``, and
-        as it stops (:meth:`wait_quiet`)."""
+        as it stops (:meth:`wait_quiet`); its lock also guards ``pacing.flushers``."""
         self.thread = threading.Thread(target=self._run, name="coalesce-sender", daemon=True)
 
     def start(self) -> None:
@@ -166,6 +167,18 @@ class Sender:
         """Ask the thread to flush and stop; returns at once.  Safe from any thread."""
         self.closed = True
         self.wake()
+
+    @contextlib.contextmanager
+    def flushing(self) -> Iterator[None]:
+        """A caller blocks waiting for this thread (``flush()``, ``shutdown()``) for
+        the duration: counted in ``pacing.flushers``."""
+        with self._quiet:
+            self.pacing.flushers += 1
+        try:
+            yield
+        finally:
+            with self._quiet:
+                self.pacing.flushers -= 1
 
     def wait_quiet(self, done: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``done()`` holds, checked now, as the thread goes idle and as it

@@ -485,7 +485,7 @@ class CoalescingPublisher:
                 sender.done < target or len(backlog) or sender.stepping or sender.resyncing
             )
 
-        with sender.pacing.flushing():
+        with sender.flushing():
             while not done():
                 left = deadline - time.monotonic()
                 if left <= 0 or not sender.thread.is_alive():
@@ -508,7 +508,7 @@ class CoalescingPublisher:
             self._closed = True
         self._finalizer.detach()
         sender.request_stop()
-        with sender.pacing.flushing():  # (as in flush(): this caller waits for it)
+        with sender.flushing():  # (as in flush(): this caller waits for it)
             sender.thread.join(2 * self.settings.shutdown_timeout + 2.0)
         if sender.thread.is_alive():  # pragma: no cover - the sender checks its deadline
             log.error("kv-coalesce: sender thread did not stop; sockets left to it")

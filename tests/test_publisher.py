@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -439,8 +440,6 @@ def test_the_sender_hands_the_gil_over_through_its_policy(pubs):
 def test_a_caller_waiting_in_flush_gets_no_hand_overs(pubs, monkeypatch):
     """While flush() waits, the sender ends its turns without a hand-over sleep (the
     caller waits for it); once flush() returns, it hands the GIL over again."""
-    import threading
-
     from coalesce import _pacing
 
     sleeps: list[float] = []
@@ -477,8 +476,6 @@ def test_a_caller_waiting_in_flush_gets_no_hand_overs(pubs, monkeypatch):
 def test_flush_is_woken_by_the_sender_going_idle(pubs, monkeypatch):
     """flush() sleeps until the sender goes idle: with its fallback look pushed past
     the test's bounds, it still returns once the sender is done."""
-    import threading
-
     from coalesce import publisher
 
     monkeypatch.setattr(publisher, "_FLUSH_CHECK", 1000.0)
