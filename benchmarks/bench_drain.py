@@ -21,7 +21,13 @@ binds tcp loopback, and the reader is connected before the clock starts.
 ``coalesce`` runs with the default settings, so it records every batch for an
 in-band resync after a loss (``loss_marker="resync"``); ``coalesce, clear``
 runs without that recorder (``loss_marker="clear"``): what the recorder costs
-the drain.
+the drain.  ``coalesce, 1:1`` runs with ``compaction=False`` (every batch
+encoded and sent as published, the recorder still on): the last two columns
+say whether compaction pays for itself, its drain rate and the engine's CPU
+with compaction over those without.  The last column is the CPU of the Python
+threads each publisher started (its sender: what holds the GIL the engine
+wants), per event published (``benchmarks/_threads.py``, Linux only); zmq's I/O
+thread, which sends the bytes without the GIL, is not in it.
 
     .venv-vllm/bin/python benchmarks/bench_drain.py   # against the real vLLM class
 """
@@ -42,6 +48,7 @@ import msgspec
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reader import start_reader, stop_reader
+from _threads import cpu_seconds, started_by
 from bench_compact import seed_batches
 from bench_publish import make_batch
 
@@ -84,6 +91,7 @@ class Drain:
     seconds: float
     wire_bytes: float
     cpu: float  # the engine's process, every thread
+    sender_cpu: float  # the Python threads the publisher started (its sender)
 
 
 def drain_once(kind: str, batches: list[Any]) -> Drain:
@@ -96,20 +104,26 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
     big = 10 * len(batches)
     pub: Any
     if kind == "stock":
-        pub = StockPublisher(0, endpoint=endpoint, max_queue_size=big, hwm=0)
+        pub, senders = started_by(
+            lambda: StockPublisher(0, endpoint=endpoint, max_queue_size=big, hwm=0)
+        )
     else:
-        pub = CoalescingPublisher(
-            0,
-            endpoint=endpoint,
-            max_queue_size=big,
-            hwm=0,
-            max_pending_events=100 * big,  # everything is published at once
-            loss_marker="clear" if kind == "coalesce, clear" else None,
+        pub, senders = started_by(
+            lambda: CoalescingPublisher(
+                0,
+                endpoint=endpoint,
+                max_queue_size=big,
+                hwm=0,
+                max_pending_events=100 * big,  # everything is published at once
+                loss_marker="clear" if kind == "coalesce, clear" else None,
+                compaction=kind != "coalesce, 1:1",
+            )
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
     for b in batches:
         b.data_parallel_rank = None
+    scpu0 = cpu_seconds(senders)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     for b in batches:
@@ -121,6 +135,7 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
         assert pub.flush(120)
     dt = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    sender_cpu = cpu_seconds(senders) - scpu0
     if kind != "stock":
         st = pub.stats()
         assert st.batches_dropped == 0
@@ -129,7 +144,7 @@ def drain_once(kind: str, batches: list[Any]) -> Drain:
         nbytes = float(sum(len(_ENC.encode(b)) for b in batches))
     pub.shutdown()
     stop_reader(reader)
-    return Drain(dt, nbytes, cpu)
+    return Drain(dt, nbytes, cpu, sender_cpu)
 
 
 def main() -> None:
@@ -152,8 +167,11 @@ def main() -> None:
         "wire bytes vs stock",
         "engine CPU vs stock",
         "engine CPU vs raw encode",
+        "compaction on / 1:1: rate",
+        "compaction on / 1:1: CPU",
+        "sender thread ns/event: stock / coalesce / 1:1",
     )
-    kinds = ("stock", "coalesce", "coalesce, clear")
+    kinds = ("stock", "coalesce", "coalesce, clear", "coalesce, 1:1")
     workloads = (
         ("big (~110 events)", lambda: [make_batch(i, 37) for i in range(12_000)]),
         ("small (~20 events)", lambda: [make_batch(i, 7) for i in range(60_000)]),
@@ -193,6 +211,12 @@ def main() -> None:
             f"{wire['coalesce']:.2f}",
             f"{cpu['coalesce']:.2f}",
             f"{over_encode:.2f}",
+            f"{ratio / (rate['coalesce, 1:1'] / rate['stock']):.2f}",
+            f"{med('coalesce', 'cpu') / med('coalesce, 1:1', 'cpu'):.2f}",
+            " / ".join(
+                f"{med(k, 'sender_cpu') / events * 1e9:.0f}"
+                for k in ("stock", "coalesce", "coalesce, 1:1")
+            ),
         )
 
 

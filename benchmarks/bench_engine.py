@@ -16,6 +16,9 @@ it sent as it came gathered and recorded as the compactor's output of each 512
 events (``RECORD_WINDOW=512``, the recorder's feed before its state was C).
 ``engine vs stock`` is the loop's wall time over stock's in the same round;
 ``publish()`` percentiles are of every call of the round (medians over rounds).
+``sender CPU``: the CPU of the Python threads the publisher started (its
+sender, which holds the GIL the engine wants; not zmq's I/O thread) from the
+loop's start until everything was sent, per event published (Linux only).
 ``stock blocked``: the most calls in a round that found vLLM's queue full (its
 ``publish()`` waited).
 
@@ -48,6 +51,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reader import start_reader, stop_reader
+from _threads import cpu_seconds, started_by
 from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
@@ -111,8 +115,9 @@ def _pin(cpu: int | None) -> None:
 
 def one_run(
     kind: str, blocks: int, steps: int, cpu_us: float, gpu_us: float, pin: bool = False
-) -> tuple[float, float, float, int]:
-    """(loop seconds, p50 us, p99 us, calls that found vLLM's queue full) of one
+) -> tuple[float, float, float, int, float]:
+    """(loop seconds, p50 us, p99 us, calls that found vLLM's queue full, CPU
+    seconds of the publisher's own threads until everything was sent) of one
     engine loop with ``kind``'s publisher."""
     everyone = os.sched_getaffinity(0) if pin else set()  # (Linux only)
     engine_cpu, rest_cpu = (min(everyone), max(everyone)) if pin else (None, None)
@@ -129,16 +134,18 @@ def one_run(
     endpoint = f"tcp://*:{port}"
     pub: Any
     if kind == "stock":
-        pub = StockPublisher(0, endpoint=endpoint, max_queue_size=100)
+        pub, threads = started_by(lambda: StockPublisher(0, endpoint=endpoint, max_queue_size=100))
     elif kind in FLOORS:
-        pub = _Floor(wake=kind == "floor: wake")
+        pub, threads = started_by(lambda: _Floor(wake=kind == "floor: wake"))
     else:
-        pub = CoalescingPublisher(
-            0,
-            endpoint=endpoint,
-            max_queue_size=100,
-            snapshot_endpoint=f"tcp://*:{snap_port}" if "snap" in kind else None,
-            loss_marker="clear" if "clear" in kind else None,
+        pub, threads = started_by(
+            lambda: CoalescingPublisher(
+                0,
+                endpoint=endpoint,
+                max_queue_size=100,
+                snapshot_endpoint=f"tcp://*:{snap_port}" if "snap" in kind else None,
+                loss_marker="clear" if "clear" in kind else None,
+            )
         )
     reader = start_reader(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)  # (not timed) the reader's subscription reaches the PUB
@@ -148,6 +155,7 @@ def one_run(
     gpu = gpu_us / 1e6
     vllm_queue = pub._event_queue if kind == "stock" else None
     blocked = 0
+    sender0 = cpu_seconds(threads)
     t0 = time.perf_counter()
     for b in batches:
         _spin(cpu_us)
@@ -164,13 +172,14 @@ def one_run(
             time.sleep(0.001)
     else:
         assert pub.flush(60) and pub.stats().batches_dropped == 0
+    sender = cpu_seconds(threads) - sender0
     pub.shutdown()
     stop_reader(reader)
     gc.unfreeze()
     if pin:
         os.sched_setaffinity(0, everyone)
     lat.sort()
-    return wall, lat[len(lat) // 2] / 1e3, lat[len(lat) * 99 // 100] / 1e3, blocked
+    return wall, lat[len(lat) // 2] / 1e3, lat[len(lat) * 99 // 100] / 1e3, blocked, sender
 
 
 def main() -> None:
@@ -211,10 +220,11 @@ def main() -> None:
         "p50 us",
         "p99 us",
         "stock blocked",
+        "sender CPU ns/event",
     )
     for blocks in (7, 37, 148):
         events = len(make_batch(args.steps // 2, blocks).events)
-        runs: dict[str, list[tuple[float, float, float, int]]] = {k: [] for k in kinds}
+        runs: dict[str, list[tuple[float, float, float, int, float]]] = {k: [] for k in kinds}
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
@@ -228,7 +238,18 @@ def main() -> None:
             blocked = max(r[3] for r in runs["stock"]) if kind == "stock" else ""
             load = f"{events / (rate * gpu_eff):.2f}x"
             vs = f"{statistics.median(ratios[kind]):.2f}x"
-            row(events, load, kind, f"{wall * 1e3:.0f}", vs, f"{p50:.1f}", f"{p99:.1f}", blocked)
+            sender = statistics.median(r[4] for r in runs[kind]) / (events * args.steps) * 1e9
+            row(
+                events,
+                load,
+                kind,
+                f"{wall * 1e3:.0f}",
+                vs,
+                f"{p50:.1f}",
+                f"{p99:.1f}",
+                blocked,
+                f"{sender:.0f}",
+            )
 
 
 if __name__ == "__main__":
