@@ -55,7 +55,7 @@ from _threads import cpu_seconds, started_by
 from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 
 from coalesce import CoalescingPublisher
-from coalesce.testing import IDLE_POLL, policy
+from coalesce.testing import IDLE_SLEEP, policy
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
 from coalesce_tools.results import header, row, run
 
@@ -83,7 +83,7 @@ class _Floor:
 
     def _sleeper(self) -> None:
         while not self._stop:
-            self._bell.acquire(timeout=IDLE_POLL)  # as the idle sender sleeps
+            self._bell.acquire(timeout=IDLE_SLEEP)  # as the idle sender sleeps
 
     def _ring(self, batch: Any) -> None:
         try:  # noqa: SIM105 - the same code as the sender's wake()

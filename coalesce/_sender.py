@@ -49,13 +49,19 @@ from coalesce._wire import Encoder
 from coalesce.compactor import compact, compact_for_wire, compactable
 from coalesce.stats import SenderStats
 
-__all__ = ["IDLE_POLL", "How", "Level", "Sender"]
+__all__ = ["IDLE_POLL", "IDLE_SLEEP", "How", "Level", "Sender"]
 
 log = logging.getLogger("coalesce")
 
 IDLE_POLL = 0.005
-"""Seconds an idle sender sleeps before looking again (at replay and snapshot
-requests, heartbeats).  ``publish()`` wakes it at once."""
+"""Seconds an idle sender with a replay or snapshot socket sleeps before looking
+again (at requests, heartbeats).  ``publish()`` wakes it at once."""
+
+IDLE_SLEEP = 0.1
+"""Seconds an idle sender with no socket to serve sleeps: ``publish()`` and
+``shutdown()`` wake it, so this only bounds how long a missed wake-up could
+last.  Every wake costs the engine's process CPU and, while the engine holds the
+GIL, a forced switch; vLLM's own sender looks every 0.1 s too."""
 
 
 class Level(enum.IntEnum):
@@ -220,6 +226,7 @@ class Sender:
     def _loop(self) -> None:
         backlog, gate, services, resync = self._backlog, self._gate, self.services, self.resync
         serving = services.any
+        idle_wait = IDLE_POLL if serving else IDLE_SLEEP
         deadline: float | None = None
         while True:
             if gate.closed is not None:  # held by a test; one read otherwise
@@ -255,7 +262,7 @@ class Sender:
                 continue
             if self.pacing.flushers:  # what they wait for is done, or no more is coming
                 self._tell_quiet()
-            self._bell.acquire(timeout=IDLE_POLL)
+            self._bell.acquire(timeout=idle_wait)
             self.idle = False
         self._stream.show_loss()
 

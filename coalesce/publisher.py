@@ -393,13 +393,17 @@ class CoalescingPublisher:
         backlog, sender = self._backlog, self._sender
         if not backlog.offer(batch, n_events):
             self._dropped()
+            # (a refused batch may wait in the backlog too, for the recorder)
+            if sender.idle:
+                sender.idle = False
+                sender.wake()
             return PublishOutcome.DROPPED
         if self._sender_gone:  # shutdown() ended between this call's checks and its offer
             self._abandon_leftovers()
         # Wake a sleeping sender (one lock release, a futex syscall) at the first
         # batch: it then waits for the GIL, and takes it at the engine's next GPU
-        # wait, when running costs the engine nothing.  Left asleep, its work piles
-        # up until IDLE_POLL and then runs in long GIL holds the engine waits out.
+        # wait, when running costs the engine nothing.  Left asleep, its work would
+        # pile up until its idle timeout and then run in long GIL holds.
         if sender.idle:
             sender.idle = False
             sender.wake()

@@ -492,6 +492,61 @@ def test_flush_is_woken_by_the_sender_going_idle(pubs, monkeypatch):
     assert pub.stats().messages_sent >= 1 and pub._sender.done == 20
 
 
+class _Bell:
+    """The sender's bell, passed through: the timeout of each of its sleeps kept."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.timeouts: list[float] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self.timeouts.append(timeout)
+        return bool(self.lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+@pytest.mark.parametrize("serving", [False, True])
+def test_an_idle_sender_sleeps_long_unless_a_socket_needs_it(pubs, serving):
+    """With nothing to serve an idle sender sleeps IDLE_SLEEP (publish() wakes it);
+    with a replay socket it looks every IDLE_POLL, to answer requests."""
+    from coalesce.testing import IDLE_POLL, IDLE_SLEEP
+
+    extra = {"replay_endpoint": inproc("replay")} if serving else {}
+    pub = pubs(endpoint=inproc("pub"), **extra)
+    bell = _Bell(pub._sender._bell)
+    pub._sender._bell = bell
+    pub.publish(batch(store(1)))  # (its wake goes through the bell too)
+    wait_for(lambda: pub._sender.done == 1 and len(bell.timeouts) >= 2)
+    assert set(bell.timeouts) == {IDLE_POLL if serving else IDLE_SLEEP}
+
+
+def test_publish_wakes_an_idle_sender_that_sleeps_long(pubs, monkeypatch):
+    """publish() wakes a sleeping sender at once: with its sleep pushed past the
+    test's bounds, the batch is still sent."""
+    from coalesce import _sender
+
+    monkeypatch.setattr(_sender, "IDLE_SLEEP", 1000.0)
+    pub = pubs(endpoint=inproc("pub"))
+    wait_for(lambda: pub._sender.idle)
+    pub.publish(batch(store(1)))
+    wait_for(lambda: pub.stats().messages_sent == 1)
+
+
+def test_a_refused_batch_wakes_an_idle_sender(pubs, monkeypatch):
+    """A batch refused past the budget waits in the backlog for the recorder (the
+    loss is told, then the state resent): publish() wakes the sleeping sender for
+    it too, or the loss would wait for the next batch accepted."""
+    from coalesce import _sender
+
+    monkeypatch.setattr(_sender, "IDLE_SLEEP", 1000.0)
+    pub = pubs(endpoint=inproc("pub"), max_pending_events=2)
+    wait_for(lambda: pub._sender.idle)
+    assert pub.publish(batch(store(1), store(2), store(3))) == PublishOutcome.DROPPED
+    wait_for(lambda: pub.stats().loss_markers == 1)
+
+
 def test_unencodable_batch_is_lost_visibly_and_sender_survives(pubs, make_sub):
     ep = inproc("pub")
     sub = make_sub(ep)
