@@ -16,7 +16,10 @@ warmed up); the table gives medians of the engine loop's wall time (to the
 last step, not to the last message sent), of the median and p99 step time, and
 of the time spent inside ``publish()``, and each publisher's loop time over
 stock's (median, and fastest run: on a shared 2-core VM the fastest is the
-least disturbed).  On this stream stock never finds its queue full
+least disturbed).  ``sender CPU``: the CPU of the Python threads the engine's
+construction started (the publisher's sender, which holds the GIL the engine
+wants; not zmq's I/O thread), from the loop's start until everything was sent
+(``benchmarks/_threads.py``, Linux only).  On this stream stock never finds its queue full
 (``bench_stock_blocks``), so the question is only what the publisher's own work
 costs the engine thread under the GIL.
 
@@ -35,6 +38,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _threads import cpu_seconds, started_by
 from bench_stock_blocks import _port, _reader
 
 from coalesce_tools.results import header, recording, row
@@ -53,6 +57,7 @@ def one(kind: str, gpu_ms: float) -> dict[str, float]:
     cfg = seed_like("eager", gpu_ms)
     port = _port()
     reader = None
+    threads: list[int] = []
     if kind == "null":
         eng = VllmEngine(cfg, "inproc://null", publisher="null")
     else:
@@ -67,11 +72,12 @@ def one(kind: str, gpu_ms: float) -> dict[str, float]:
             )
         try:
             with use_publisher("stock" if kind == "stock" else "coalesce"):
-                eng = VllmEngine(cfg, f"tcp://*:{port}")
+                eng, threads = started_by(lambda: VllmEngine(cfg, f"tcp://*:{port}"))
         finally:
             if variable is not None:
                 os.environ.pop(variable, None)
     gc.collect()
+    sender0 = cpu_seconds(threads)
     t0 = time.perf_counter()
     eng.run()
     loop_s = time.perf_counter() - t0
@@ -82,6 +88,7 @@ def one(kind: str, gpu_ms: float) -> dict[str, float]:
         deadline = time.monotonic() + 60
         while pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
+    sender_ms = (cpu_seconds(threads) - sender0) * 1e3
     eng.shutdown()
     if reader is not None:
         stop.set()
@@ -93,6 +100,7 @@ def one(kind: str, gpu_ms: float) -> dict[str, float]:
         "step_ms_p99": steps[int(0.99 * len(steps))] * 1e3,
         "publish_ms": sum(eng.publish_seconds) * 1e3,
         "found_full": eng.found_full,
+        "sender_cpu_ms": sender_ms,
     }
 
 
@@ -133,6 +141,7 @@ def table(rounds: int, gpu_ms: float) -> dict[str, Any]:
         "step ms p99",
         "in publish() ms",
         "queue full at publish()",
+        "sender CPU ms",
     )
     med: dict[str, dict[str, float]] = {
         k: {f: statistics.median(s[f] for s in v) for f in v[0]} for k, v in samples.items()
@@ -150,6 +159,7 @@ def table(rounds: int, gpu_ms: float) -> dict[str, Any]:
             f"{m['step_ms_p99']:.1f}",
             f"{m['publish_ms']:.1f}",
             int(m["found_full"]),
+            f"{m['sender_cpu_ms']:.0f}",
         )
     figures["medians"] = med
     figures["fastest_loop_s"] = best
