@@ -391,23 +391,20 @@ class CoalescingPublisher:
     def _queue(self, batch: Any, n_events: int) -> PublishOutcome:
         """Offer a checked batch (its rank set) to the backlog and wake the sender.  O(1)."""
         backlog, sender = self._backlog, self._sender
-        if not backlog.offer(batch, n_events):
+        queued = backlog.offer(batch, n_events)
+        if not queued:
             self._dropped()
-            # (a refused batch may wait in the backlog too, for the recorder)
-            if sender.idle:
-                sender.idle = False
-                sender.wake()
-            return PublishOutcome.DROPPED
-        if self._sender_gone:  # shutdown() ended between this call's checks and its offer
+        elif self._sender_gone:  # shutdown() ended between this call's checks and its offer
             self._abandon_leftovers()
         # Wake a sleeping sender (one lock release, a futex syscall) at the first
-        # batch: it then waits for the GIL, and takes it at the engine's next GPU
-        # wait, when running costs the engine nothing.  Left asleep, its work would
-        # pile up until its idle timeout and then run in long GIL holds.
+        # batch, or a refused one (it may wait in the backlog for the recorder): it
+        # then waits for the GIL, and takes it at the engine's next GPU wait, when
+        # running costs the engine nothing.  Left asleep, its work would pile up
+        # until its idle timeout and then run in long GIL holds.
         if sender.idle:
             sender.idle = False
             sender.wake()
-        return PublishOutcome.QUEUED
+        return PublishOutcome.QUEUED if queued else PublishOutcome.DROPPED
 
     def _dropped(self) -> None:
         if self._sender.failed:
