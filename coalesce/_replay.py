@@ -121,6 +121,11 @@ class ReplayService:
         return _counted(ReplayStats, self, "replay_")
 
     @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The ROUTER (the sender waits on it while idle)."""
+        return self._sock
+
+    @property
     def busy(self) -> bool:
         """A reply is in progress or waiting."""
         return bool(self._active or self._waiting)

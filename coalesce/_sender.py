@@ -7,7 +7,8 @@ thread holds no reference to the facade, so a publisher dropped without
 
 Each turn of its loop: the services (replay and snapshot requests:
 ``coalesce._services``), then a resync chunk if one is under way, then one
-step of the backlog, then, with nothing to do, a heartbeat or a short sleep.
+step of the backlog, then, with nothing to do, a heartbeat or a sleep until
+``publish()``, ``shutdown()`` or a request wakes it.
 A step takes a batch or a window from the backlog and hands it to
 :meth:`Sender._send`, the one send path: it compacts (or not, as the ladder
 says), encodes, emits through the :class:`coalesce._stream.Stream` (the one
@@ -49,19 +50,16 @@ from coalesce._wire import Encoder
 from coalesce.compactor import compact, compact_for_wire, compactable
 from coalesce.stats import SenderStats
 
-__all__ = ["IDLE_POLL", "IDLE_SLEEP", "How", "Level", "Sender"]
+__all__ = ["IDLE_SLEEP", "How", "Level", "Sender"]
 
 log = logging.getLogger("coalesce")
 
-IDLE_POLL = 0.005
-"""Seconds an idle sender with a replay or snapshot socket sleeps before looking
-again (at requests, heartbeats).  ``publish()`` wakes it at once."""
-
 IDLE_SLEEP = 0.1
-"""Seconds an idle sender with no socket to serve sleeps: ``publish()`` and
-``shutdown()`` wake it, so this only bounds how long a missed wake-up could
-last.  Every wake costs the engine's process CPU and, while the engine holds the
-GIL, a forced switch; vLLM's own sender looks every 0.1 s too."""
+"""Seconds an idle sender sleeps at most: ``publish()`` and ``shutdown()`` wake
+it, and so does a replay or snapshot request (:meth:`Services.sleep`), so this
+only bounds how long a missed wake-up could last.  Every wake costs the engine's
+process CPU and, while the engine holds the GIL, a forced switch; vLLM's own
+sender looks every 0.1 s too."""
 
 
 class Level(enum.IntEnum):
@@ -113,6 +111,7 @@ class Sender:
         self._stream = stream
         self._encoder = encoder
         self.services = services
+        self._serving = services.any
         self._backlog = backlog
         self._settings = settings
         self._gate = gate
@@ -164,6 +163,9 @@ class Sender:
     def wake(self) -> None:
         """Wake the thread if it sleeps (else it finds the ring on its next sleep).
         O(1), never blocks; safe from any thread."""
+        if self._serving:  # it sleeps on its sockets and the services' bell
+            self.services.ring()
+            return
         try:  # noqa: SIM105 - in publish(): contextlib.suppress costs a context manager
             self._bell.release()
         except RuntimeError:  # already rung
@@ -226,7 +228,6 @@ class Sender:
     def _loop(self) -> None:
         backlog, gate, services, resync = self._backlog, self._gate, self.services, self.resync
         serving = services.any
-        idle_wait = IDLE_POLL if serving else IDLE_SLEEP
         deadline: float | None = None
         while True:
             if gate.closed is not None:  # held by a test; one read otherwise
@@ -262,7 +263,10 @@ class Sender:
                 continue
             if self.pacing.flushers:  # what they wait for is done, or no more is coming
                 self._tell_quiet()
-            self._bell.acquire(timeout=idle_wait)
+            if serving:
+                services.sleep(IDLE_SLEEP)
+            else:
+                self._bell.acquire(timeout=IDLE_SLEEP)
             self.idle = False
         self._stream.show_loss()
 

@@ -5,11 +5,22 @@ its loop; each is bounded work and never blocks.  Looking at a ROUTER
 (``ZMQ_EVENTS``) makes libzmq process its command pipe, a system call of a few
 µs taken from the engine, so while no reply is being built the sockets are
 looked at every :data:`SERVICE_POLL` seconds, not at every turn.
+
+An idle sender with sockets to serve sleeps in :meth:`Services.sleep`: one
+``zmq_poll`` on both ROUTERs and the read end of a pipe, which
+:meth:`Services.ring` writes to (``publish()`` and ``shutdown()`` wake it that
+way).  A request, a ring, the next heartbeat or a reply waiting to go on
+(:data:`BUSY_POLL`) ends the sleep; nothing is looked at in between.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
+
+import zmq
 
 from coalesce._backlog import Backlog
 from coalesce._replay import ReplayService
@@ -17,12 +28,16 @@ from coalesce._snapshot import HEARTBEAT, SnapshotServer
 from coalesce._stream import Stream
 from coalesce.stats import ReplayStats, SnapshotStats
 
-__all__ = ["SERVICE_POLL", "Services"]
+__all__ = ["BUSY_POLL", "SERVICE_POLL", "Services"]
 
 SERVICE_POLL = 0.001
 """Seconds between looks at the replay and snapshot sockets while neither is
 serving a reply.  A request waits at most this long (or the sender's idle
 sleep while it sleeps)."""
+
+BUSY_POLL = 0.005
+"""Seconds an idle sender sleeps while a reply waits on something the sockets
+do not signal (a client not reading, a snapshot behind another walk)."""
 
 
 class Services:
@@ -43,6 +58,18 @@ class Services:
         self._backlog = backlog
         self._high_watermark = high_watermark
         self._poll_at = 0.0  # when the sockets are next looked at
+        self._poller: zmq.Poller | None = None
+        self._bell_r = self._bell_w = -1
+        self._bell_lock = threading.Lock()  # ring() against close(): no write to a reused fd
+        if self.any:
+            self._bell_r, self._bell_w = os.pipe()
+            os.set_blocking(self._bell_r, False)
+            os.set_blocking(self._bell_w, False)
+            self._poller = zmq.Poller()
+            for service in (replay, snapshot):
+                if service is not None:
+                    self._poller.register(service.socket, zmq.POLLIN)
+            self._poller.register(self._bell_r, zmq.POLLIN)
 
     @property
     def any(self) -> bool:
@@ -55,11 +82,7 @@ class Services:
         did anything."""
         replay, snapshot = self.replay, self.snapshot
         now = time.monotonic()
-        if not (
-            now >= self._poll_at
-            or (replay is not None and replay.busy)
-            or (snapshot is not None and snapshot.busy)
-        ):
+        if now < self._poll_at and not self._busy():
             return False
         self._poll_at = now + SERVICE_POLL
         did = False
@@ -70,6 +93,37 @@ class Services:
         if snapshot is not None and snapshot.step(self._stream.covered):
             did = True
         return did
+
+    def ring(self) -> None:
+        """Wake :meth:`sleep` now, or end the next one at once.  O(1), never blocks;
+        safe from any thread."""
+        with self._bell_lock:
+            if self._bell_w < 0:  # closed: the sender has stopped
+                return
+            with contextlib.suppress(BlockingIOError):  # full: rung many times already
+                os.write(self._bell_w, b"!")
+
+    def sleep(self, longest: float) -> None:
+        """Sleep (the GIL released) until a request comes, :meth:`ring` is called,
+        the stream is due a heartbeat, or ``longest`` seconds pass; while a reply
+        waits, :data:`BUSY_POLL` at most.  Only with sockets to serve."""
+        assert self._poller is not None
+        if self._busy():
+            longest = min(longest, BUSY_POLL)
+        stream = self._stream
+        if stream.beats:
+            longest = min(longest, stream.last_sent + HEARTBEAT - time.monotonic())
+        woken = self._poller.poll(max(0, int(longest * 1000) + 1))
+        for what, _ in woken:
+            if what == self._bell_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._bell_r, 4096)  # (any rings left end the next sleep)
+            else:  # a request: read it now
+                self._poll_at = 0.0
+
+    def _busy(self) -> bool:
+        replay, snapshot = self.replay, self.snapshot
+        return (replay is not None and replay.busy) or (snapshot is not None and snapshot.busy)
 
     def poll_now(self) -> None:
         """Look at the sockets at the next :meth:`step` (tests)."""
@@ -91,7 +145,13 @@ class Services:
         return SnapshotStats() if self.snapshot is None else self.snapshot.stats()
 
     def close(self) -> None:
-        """Close both ROUTERs (the sender thread stops)."""
+        """Close both ROUTERs and the bell (the sender thread stops)."""
+        if self._poller is not None:
+            self._poller = None
+            with self._bell_lock:
+                os.close(self._bell_r)
+                os.close(self._bell_w)
+                self._bell_r = self._bell_w = -1
         if self.replay is not None:
             self.replay.close()
         if self.snapshot is not None:

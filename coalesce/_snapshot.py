@@ -95,6 +95,11 @@ class SnapshotServer:
     # -- the ROUTER ----------------------------------------------------------------
 
     @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The ROUTER (the sender waits on it while idle)."""
+        return self._sock
+
+    @property
     def busy(self) -> bool:
         """A reply is being built, or requests wait."""
         return self._round is not None or bool(self._waiting)

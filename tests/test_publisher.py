@@ -508,39 +508,88 @@ class _Bell:
 
 
 @pytest.mark.parametrize("serving", [False, True])
-def test_an_idle_sender_sleeps_long_unless_a_socket_needs_it(pubs, serving):
-    """With nothing to serve an idle sender sleeps IDLE_SLEEP (publish() wakes it);
-    with a replay socket it looks every IDLE_POLL, to answer requests."""
-    from coalesce.testing import IDLE_POLL, IDLE_SLEEP
+def test_an_idle_sender_sleeps_IDLE_SLEEP_at_most(pubs, serving):
+    """An idle sender sleeps IDLE_SLEEP at most, on its bell (a lock) with nothing
+    to serve, on its sockets and the services' bell with a replay socket."""
+    from coalesce.testing import IDLE_SLEEP
 
     extra = {"replay_endpoint": inproc("replay")} if serving else {}
     pub = pubs(endpoint=inproc("pub"), **extra)
-    bell = _Bell(pub._sender._bell)
-    pub._sender._bell = bell
+    sender = pub._sender
+    bell = _Bell(sender._bell)
+    sender._bell = bell
+    slept: list[float] = []
+    sleep = sender.services.sleep
+    sender.services.sleep = lambda longest: (slept.append(longest), sleep(longest))[1]
     pub.publish(batch(store(1)))  # (its wake goes through the bell too)
-    wait_for(lambda: pub._sender.done == 1 and len(bell.timeouts) >= 2)
-    assert set(bell.timeouts) == {IDLE_POLL if serving else IDLE_SLEEP}
+    wait_for(lambda: sender.done == 1 and len(slept if serving else bell.timeouts) >= 2)
+    if serving:
+        assert set(slept) == {IDLE_SLEEP} and bell.timeouts == []
+    else:
+        assert set(bell.timeouts) == {IDLE_SLEEP} and slept == []
 
 
-def test_publish_wakes_an_idle_sender_that_sleeps_long(pubs, monkeypatch):
-    """publish() wakes a sleeping sender at once: with its sleep pushed past the
-    test's bounds, the batch is still sent."""
-    from coalesce import _sender
+@pytest.fixture
+def sleeps_long(monkeypatch):
+    """An idle sender sleeps 1,000 s unless woken, and looks at its sockets once an
+    hour unless a request wakes it: whatever the test waits for must wake it."""
+    from coalesce import _sender, _services
 
     monkeypatch.setattr(_sender, "IDLE_SLEEP", 1000.0)
-    pub = pubs(endpoint=inproc("pub"))
-    wait_for(lambda: pub._sender.idle)
-    pub.publish(batch(store(1)))
-    wait_for(lambda: pub.stats().messages_sent == 1)
+    monkeypatch.setattr(_services, "SERVICE_POLL", 3600.0)
 
 
-def test_a_refused_batch_wakes_an_idle_sender(pubs, monkeypatch):
+@pytest.mark.parametrize("serving", ["", "replay", "snapshot"])
+def test_publish_wakes_an_idle_sender_that_sleeps_long(pubs, sleeps_long, serving):
+    """publish() wakes a sleeping sender at once, whatever it sleeps on."""
+    extra = {f"{serving}_endpoint": inproc(serving)} if serving else {}
+    pub = pubs(endpoint=inproc("pub"), **extra)
+    for i in range(3):  # (each time it has gone back to sleep)
+        wait_for(lambda: pub._sender.idle)
+        pub.publish(batch(store(i)))
+        wait_for(lambda n=i + 1: pub.stats().messages_sent >= n)
+
+
+def test_a_replay_request_wakes_an_idle_sender(pubs, make_sub, sleeps_long):
+    ep = inproc("pub")
+    sub = make_sub(ep, replay=inproc("replay"))
+    p = pubs(endpoint=ep, replay_endpoint=sub.replay_endpoint, compaction=False)
+    for i in range(3):
+        p.publish(batch(store(i)))
+    sub.recv_until_seq(2)
+    for start in (1, 2):  # (asleep again after the first)
+        wait_for(lambda: p._sender.idle and not p._sender.services.replay.busy)
+        assert [m[1] for m in sub.replay(start)] == list(range(start, 3))
+
+
+def test_a_snapshot_request_wakes_an_idle_sender_and_heartbeats_keep_time(pubs, sleeps_long):
+    """Snapshots on: a request wakes the sleeping sender, and it wakes by itself for
+    the heartbeat the stream is due (one a second while the stream is silent)."""
+    from coalesce._snapshot import HEARTBEAT
+
+    snap = inproc("snap")
+    p = pubs(endpoint=inproc("pub"), snapshot_endpoint=snap)
+    p.publish(batch(store(1)))
+    wait_for(lambda: p._sender.idle and p.stats().messages_sent == 1)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(snap)
+        for _ in range(2):
+            wait_for(lambda: p._sender.idle and not p._sender.services.snapshot.busy)
+            dealer.send(b"snapshot")
+            assert dealer.poll(10_000), "no snapshot reply"
+            assert int.from_bytes(dealer.recv_multipart()[0], "big", signed=True) >= 0
+    finally:
+        dealer.close()
+    sent = p.stats().messages_sent
+    wait_for(lambda: p.stats().messages_sent >= sent + 2, timeout=10 * HEARTBEAT)
+
+
+def test_a_refused_batch_wakes_an_idle_sender(pubs, sleeps_long):
     """A batch refused past the budget waits in the backlog for the recorder (the
     loss is told, then the state resent): publish() wakes the sleeping sender for
     it too, or the loss would wait for the next batch accepted."""
-    from coalesce import _sender
-
-    monkeypatch.setattr(_sender, "IDLE_SLEEP", 1000.0)
     pub = pubs(endpoint=inproc("pub"), max_pending_events=2)
     wait_for(lambda: pub._sender.idle)
     assert pub.publish(batch(store(1), store(2), store(3))) == PublishOutcome.DROPPED
