@@ -50,6 +50,11 @@ class Pacing:
         # what the engine published while it had the GIL is in: a new turn
         gil.handed_over(time.perf_counter(), self.pending())
 
+    def woke(self) -> None:
+        """The sender woke from its idle sleep: a new turn begins (else the first
+        step after a sleep would hand the GIL over at once, a sleep of its own)."""
+        self.gil.woke(time.perf_counter(), self.pending())
+
     def rules_window(self, step: int) -> int:
         """:func:`~coalesce._policy.rules_window` now: the rest of this turn at the
         rules' median cost on this stream."""

@@ -193,6 +193,13 @@ class GilSlice:
         held = now - self.began
         return held >= self.policy.yield_every and held >= self.length(pending)
 
+    def woke(self, now: float, pending: int) -> None:
+        """The sender woke at ``now`` from an idle sleep, with ``pending`` for the
+        budget: the engine had the GIL meanwhile, so a new turn begins (nothing was
+        pending as it went to sleep: losing ground if anything is now)."""
+        self.pending_at_start = 0
+        self.handed_over(now, pending)
+
     def handed_over(self, now: float, pending: int) -> None:
         """The GIL went to the engine and came back at ``now``, with ``pending`` for the
         budget (what the engine published meanwhile included): a new turn begins."""

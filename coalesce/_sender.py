@@ -268,6 +268,7 @@ class Sender:
             else:
                 self._bell.acquire(timeout=IDLE_SLEEP)
             self.idle = False
+            self.pacing.woke()
         self._stream.show_loss()
 
     def _step(self, flushing: bool) -> None:

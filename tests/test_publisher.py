@@ -423,6 +423,45 @@ def test_the_sender_keeps_the_gil_longer_only_after_a_round_that_lost_ground():
     assert not gil.due(now + 2 * held_for, 60)
 
 
+def test_a_turn_begins_as_the_sender_wakes_from_idle():
+    """Nothing was pending as it went to sleep: a new turn, losing ground only if
+    something is pending now (the pure policy, a fake clock)."""
+    from coalesce._policy import DEFAULT_POLICY, GilSlice
+
+    gil = GilSlice(budget=100)
+    gil.handed_over(1.0, 80)
+    gil.woke(100.0, 50)  # 50 pending after the sleep: fewer than 80, still more than 0
+    assert gil.began == 100.0 and gil.losing and gil.pending_at_start == 50
+    assert not gil.due(100.0 + DEFAULT_POLICY.yield_every / 2, 50)
+    gil.woke(200.0, 0)
+    assert not gil.losing
+
+
+def test_a_sender_woken_from_idle_sends_before_it_hands_the_gil_over(pubs, monkeypatch):
+    """Woken by publish() after a long idle spell, the sender starts a new turn: it
+    sends the batch and goes back to sleep, with no hand-over sleep on the way
+    (which would cost a switch of threads for each batch)."""
+    from coalesce import _pacing
+
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+
+    def counting(seconds: float) -> None:
+        if threading.current_thread().name == "coalesce-sender":
+            sleeps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(_pacing.time, "sleep", counting)
+    pub = pubs(endpoint=inproc("pub"))
+    sender = pub._sender
+    for i in range(5):
+        wait_for(lambda: sender.idle)
+        sender.pacing.gil.began = 0.0  # (asleep) its last turn began long ago
+        pub.publish(batch(store(i)))
+        wait_for(lambda n=i + 1: sender.done == n)
+    assert sleeps == []
+
+
 def test_the_sender_hands_the_gil_over_through_its_policy(pubs):
     """The sender's own hand-over step updates the policy's turn (a parked sender)."""
     pub = pubs(endpoint=inproc("pub"), max_pending_events=100)
