@@ -16,6 +16,7 @@ way).  A request, a ring, the next heartbeat or a reply waiting to go on
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -34,6 +35,13 @@ SERVICE_POLL = 0.001
 """Seconds between looks at the replay and snapshot sockets while neither is
 serving a reply.  A request waits at most this long (or the sender's idle
 sleep while it sleeps)."""
+
+_write = ctypes.PyDLL(None).write
+"""libc's ``write``, called with the GIL held (as a ``threading.Lock`` release
+keeps it): ``os.write`` releases the GIL for the system call, and the sender it
+wakes would take it there, inside ``publish()``, and run its step first."""
+_write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+_write.restype = ctypes.c_ssize_t
 
 BUSY_POLL = 0.005
 """Seconds an idle sender sleeps while a reply waits on something the sockets
@@ -95,13 +103,12 @@ class Services:
         return did
 
     def ring(self) -> None:
-        """Wake :meth:`sleep` now, or end the next one at once.  O(1), never blocks;
-        safe from any thread."""
+        """Wake :meth:`sleep` now, or end the next one at once.  O(1), never blocks
+        and keeps the GIL; safe from any thread."""
         with self._bell_lock:
             if self._bell_w < 0:  # closed: the sender has stopped
                 return
-            with contextlib.suppress(BlockingIOError):  # full: rung many times already
-                os.write(self._bell_w, b"!")
+            _write(self._bell_w, b"!", 1)  # (-1 when the pipe is full: rung already)
 
     def sleep(self, longest: float) -> None:
         """Sleep (the GIL released) until a request comes, :meth:`ring` is called,

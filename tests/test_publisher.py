@@ -589,6 +589,17 @@ def test_publish_wakes_an_idle_sender_that_sleeps_long(pubs, sleeps_long, servin
         wait_for(lambda n=i + 1: pub.stats().messages_sent >= n)
 
 
+def test_the_services_bell_is_rung_with_the_gil_held():
+    """os.write would release the GIL for the system call, and the sender it wakes
+    would take it there, inside publish(): the ring goes through libc's write
+    called as a Python API function (ctypes.PyDLL), which keeps it."""
+    import ctypes
+
+    from coalesce import _services
+
+    assert _services._write._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+
+
 def test_a_replay_request_wakes_an_idle_sender(pubs, make_sub, sleeps_long):
     ep = inproc("pub")
     sub = make_sub(ep, replay=inproc("replay"))
