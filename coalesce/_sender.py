@@ -50,16 +50,22 @@ from coalesce._wire import Encoder
 from coalesce.compactor import compact, compact_for_wire, compactable
 from coalesce.stats import SenderStats
 
-__all__ = ["IDLE_SLEEP", "How", "Level", "Sender"]
+__all__ = ["IDLE_SLEEP", "SHALLOW_SLEEP", "How", "Level", "Sender"]
 
 log = logging.getLogger("coalesce")
 
 IDLE_SLEEP = 0.1
 """Seconds an idle sender sleeps at most: ``publish()`` and ``shutdown()`` wake
-it, and so does a replay or snapshot request (:meth:`Services.sleep`), so this
-only bounds how long a missed wake-up could last.  Every wake costs the engine's
-process CPU and, while the engine holds the GIL, a forced switch; vLLM's own
-sender looks every 0.1 s too."""
+it, and so does a replay or snapshot request once it sleeps on its sockets, so
+this only bounds how long a missed wake-up could last.  Every wake costs the
+engine's process CPU and, while the engine holds the GIL, a forced switch;
+vLLM's own sender looks every 0.1 s too."""
+
+SHALLOW_SLEEP = 0.02
+"""Seconds an idle sender with a replay or snapshot socket first sleeps on its
+bell alone, the cheapest wake for ``publish()`` (a lock released); then it sleeps
+on its sockets too (:meth:`Services.sleep`), where ``publish()`` must also write
+to a pipe.  A request that comes in the first sleep waits at most this long."""
 
 
 class Level(enum.IntEnum):
@@ -111,7 +117,7 @@ class Sender:
         self._stream = stream
         self._encoder = encoder
         self.services = services
-        self._serving = services.any
+        self._deep = False  # asleep on the sockets (and the services' bell) too
         self._backlog = backlog
         self._settings = settings
         self._gate = gate
@@ -163,13 +169,12 @@ class Sender:
     def wake(self) -> None:
         """Wake the thread if it sleeps (else it finds the ring on its next sleep).
         O(1), never blocks; safe from any thread."""
-        if self._serving:  # it sleeps on its sockets and the services' bell
-            self.services.ring()
-            return
         try:  # noqa: SIM105 - in publish(): contextlib.suppress costs a context manager
             self._bell.release()
         except RuntimeError:  # already rung
             pass
+        if self._deep:  # (read after the release: see _sleep_serving)
+            self.services.ring()
 
     def request_stop(self) -> None:
         """Ask the thread to flush and stop; returns at once.  Safe from any thread."""
@@ -264,12 +269,27 @@ class Sender:
             if self.pacing.flushers:  # what they wait for is done, or no more is coming
                 self._tell_quiet()
             if serving:
-                services.sleep(IDLE_SLEEP)
+                self._sleep_serving()
             else:
                 self._bell.acquire(timeout=IDLE_SLEEP)
             self.idle = False
             self.pacing.woke()
         self._stream.show_loss()
+
+    def _sleep_serving(self) -> None:
+        """Sleep until woken, with a replay or snapshot socket to serve: first on the
+        bell alone, for :data:`SHALLOW_SLEEP` at most (less if a heartbeat is due
+        or a reply waits), then on the sockets and the services' bell as well."""
+        bell, services = self._bell, self.services
+        if bell.acquire(timeout=services.sleep_for(SHALLOW_SLEEP)):
+            return
+        # wake() releases the bell, then reads _deep: either it reads True and
+        # rings the services' bell, or its release came first and is seen here.
+        self._deep = True
+        if not bell.acquire(blocking=False):
+            services.sleep(IDLE_SLEEP)
+            bell.acquire(blocking=False)  # (a ring that came with the pipe's: spent)
+        self._deep = False
 
     def _step(self, flushing: bool) -> None:
         """One bounded unit of work: take a batch or a window and send it.

@@ -6,11 +6,11 @@ its loop; each is bounded work and never blocks.  Looking at a ROUTER
 µs taken from the engine, so while no reply is being built the sockets are
 looked at every :data:`SERVICE_POLL` seconds, not at every turn.
 
-An idle sender with sockets to serve sleeps in :meth:`Services.sleep`: one
-``zmq_poll`` on both ROUTERs and the read end of a pipe, which
-:meth:`Services.ring` writes to (``publish()`` and ``shutdown()`` wake it that
-way).  A request, a ring, the next heartbeat or a reply waiting to go on
-(:data:`BUSY_POLL`) ends the sleep; nothing is looked at in between.
+An idle sender with sockets to serve sleeps on its own bell first, then in
+:meth:`Services.sleep`: one ``zmq_poll`` on both ROUTERs and the read end of a
+pipe, which :meth:`Services.ring` writes to (``publish()`` and ``shutdown()``
+wake it that way).  A request, a ring, the next heartbeat or a reply waiting
+to go on (:data:`BUSY_POLL`) ends the sleep; nothing is looked at in between.
 """
 
 from __future__ import annotations
@@ -115,18 +115,23 @@ class Services:
         the stream is due a heartbeat, or ``longest`` seconds pass; while a reply
         waits, :data:`BUSY_POLL` at most.  Only with sockets to serve."""
         assert self._poller is not None
-        if self._busy():
-            longest = min(longest, BUSY_POLL)
-        stream = self._stream
-        if stream.beats:
-            longest = min(longest, stream.last_sent + HEARTBEAT - time.monotonic())
-        woken = self._poller.poll(max(0, int(longest * 1000) + 1))
+        woken = self._poller.poll(int(self.sleep_for(longest) * 1000) + 1)
         for what, _ in woken:
             if what == self._bell_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._bell_r, 4096)  # (any rings left end the next sleep)
             else:  # a request: read it now
                 self._poll_at = 0.0
+
+    def sleep_for(self, longest: float) -> float:
+        """Seconds an idle sender may sleep, ``longest`` at most: less if the stream
+        is due a heartbeat, :data:`BUSY_POLL` while a reply waits.  O(1)."""
+        if self._busy():
+            longest = min(longest, BUSY_POLL)
+        stream = self._stream
+        if stream.beats:
+            longest = min(longest, stream.last_sent + HEARTBEAT - time.monotonic())
+        return max(longest, 0.0)
 
     def _busy(self) -> bool:
         replay, snapshot = self.replay, self.snapshot

@@ -20,7 +20,7 @@ from coalesce._feed import Feed
 from coalesce._hooks import Hooks, Tap
 from coalesce._policy import DEFAULT_POLICY, Policy
 from coalesce._recorder import Recorder
-from coalesce._sender import IDLE_SLEEP
+from coalesce._sender import IDLE_SLEEP, SHALLOW_SLEEP
 from coalesce._settings import env_name
 from coalesce._wire import Encoder, native_send
 from coalesce.compactor import accelerated
@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "IDLE_SLEEP",
     "POLICY",
+    "SHALLOW_SLEEP",
     "Encoder",
     "Feed",
     "Hooks",
