@@ -396,11 +396,12 @@ class CoalescingPublisher:
             self._dropped()
         elif self._sender_gone:  # shutdown() ended between this call's checks and its offer
             self._abandon_leftovers()
-        # Wake a sleeping sender (one lock release, a futex syscall) at the first
-        # batch, or a refused one (it may wait in the backlog for the recorder): it
-        # then waits for the GIL, and takes it at the engine's next GPU wait, when
-        # running costs the engine nothing.  Left asleep, its work would pile up
-        # until its idle timeout and then run in long GIL holds.
+        # Wake a sleeping sender (one lock release, a futex syscall; also a pipe
+        # write once a sender with sockets sleeps on them) at the first batch, or a
+        # refused one (it may wait in the backlog for the recorder): it then waits
+        # for the GIL, and takes it at the engine's next GPU wait, when running
+        # costs the engine nothing.  Left asleep, its work would pile up until its
+        # idle timeout and then run in long GIL holds.
         if sender.idle:
             sender.idle = False
             sender.wake()
