@@ -21,7 +21,12 @@ of W batches and each window goes through ``coalesce.compactor.compact``:
   goes: encoding only the windows' hash lists, and only their token lists
   (what is left of ``raw`` is the events' other fields); and the C wire path
   in its two parts, the rules alone (the merged lists written as bytes
-  included) and encoding what they return.
+  included) and encoding what they return.  Last, a floor under any
+  compaction of the window: a C loop that reads what the rules read of every
+  event and nothing more (``benchmarks/_floor.c``: each hash's and the parent's
+  value, medium, group, the token list's length, the class of every other
+  field; built when the benchmark runs, the column left out where it cannot
+  be), plus msgspec's encode of the rules' output.
 
 The volume table's fifth column counts CPU stores of one hash left in the
 output: the cause of larger windows keeping more events (docs/vllm-engine.md).
@@ -35,9 +40,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import platform
+import shlex
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +87,27 @@ def record(offload: str) -> tuple[list[Any], dict[str, Any]]:
     return batches, shape
 
 
+def floor_reader(batches: list[Any]) -> Any | None:
+    """``benchmarks/_floor.c`` built (as setup.py builds the accelerators: -O2) and
+    imported, every event class of ``batches`` registered; None where it cannot be built."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = os.path.join(tempfile.mkdtemp(), "_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    include = sysconfig.get_paths()["include"]
+    built = subprocess.run(
+        [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", os.path.join(here, "_floor.c"), "-o", out],
+        capture_output=True,
+    )
+    spec = importlib.util.spec_from_file_location("_floor", out)
+    if built.returncode != 0 or spec is None or spec.loader is None:
+        return None
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    for cls in {type(e) for b in batches for e in b.events}:
+        floor.register(cls, tuple(getattr(cls, "__struct_fields__", ())))
+    return floor
+
+
 def windows_of(batches: list[Any], w: int) -> list[Window]:
     return [batches[i : i + w] for i in range(0, len(batches), w)]
 
@@ -113,8 +144,11 @@ def _has(ev: Any, name: str) -> bool:
     return isinstance(getattr(ev, name, None), list)
 
 
-def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, float]:
-    """ns per input event of each path over every window of ``w`` batches (medians)."""
+def cost(
+    batches: list[Any], w: int, seconds: float, rounds: int, floor: Any | None = None
+) -> dict[str, float]:
+    """ns per input event of each path over every window of ``w`` batches (medians);
+    ``floor``: :func:`floor_reader`'s module, for the floor's read."""
     enc = msgspec.msgpack.Encoder()
     wins = windows_of(batches, w)
     events = sum(len(b.events) for b in batches)
@@ -141,6 +175,8 @@ def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, f
     ]
     tokens = [[e.token_ids for b in win for e in b.events if _has(e, "token_ids")] for win in wins]
     outs = [compactor.compact_for_wire(win)[0] for win in wins] if compactor.accelerated() else []
+    # the floor: reading what the rules read, then encoding what they return
+    plain = [compactor.compact(win)[0] for win in wins]
 
     paths = {
         "raw": over(raw),
@@ -151,7 +187,10 @@ def cost(batches: list[Any], w: int, seconds: float, rounds: int) -> dict[str, f
         "raw: token lists": lambda: [enc.encode(t) for t in tokens],
         "C wire: rules alone": over(compactor.compact_for_wire),
         "C wire: encode out": lambda: [enc.encode(b) for out in outs for b in out],
+        "floor: encode out": lambda: [enc.encode(b) for out in plain for b in out],
     }
+    if floor is not None:
+        paths["floor: read"] = lambda: [floor.read(win) for win in wins]
     if not compactor.accelerated():
         for k in ("rules C wire", "rules C", "C wire: rules alone", "C wire: encode out"):
             del paths[k]
@@ -206,10 +245,13 @@ def main(figures: dict[str, Any]) -> None:
             "C wire / raw",
             "raw: hash lists / token lists",
             "C wire: rules alone / encode out",
+            "floor: read / encode out",
+            "C wire / floor",
         )
         gc.freeze()
+        floor = floor_reader(batches)
         for w in COST_WINDOWS:
-            c = cost(batches, w, args.seconds, args.rounds)
+            c = cost(batches, w, args.seconds, args.rounds, floor)
             costs[w] = c
             raw = c["raw"]
             wire = c.get("rules C wire")
@@ -217,7 +259,10 @@ def main(figures: dict[str, Any]) -> None:
             lists = f"{c['raw: hash lists'] / raw:.2f}x / {c['raw: token lists'] / raw:.2f}x"
             alone, out = c.get("C wire: rules alone"), c.get("C wire: encode out")
             split = f"{alone / raw:.2f}x / {out / raw:.2f}x" if alone and out else "n/a"
-            row(w, raw, wire, c.get("rules C"), c["rules py"], ratio, lists, split)
+            read, enc_out = c.get("floor: read"), c["floor: encode out"]
+            least = f"{read / raw:.2f}x / {enc_out / raw:.2f}x" if read else "n/a"
+            over = f"{wire / (read + enc_out):.2f}x" if wire and read else "n/a"
+            row(w, raw, wire, c.get("rules C"), c["rules py"], ratio, lists, split, least, over)
         gc.unfreeze()
         figures[offload] = {
             "stream": shape,
