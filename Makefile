@@ -57,8 +57,10 @@ test-vllm: $(VLLM_STAMP)  ## the conformance tier against the real vllm==0.33.0 
 demo-vllm: $(VLLM_STAMP)  ## the demo on vLLM's own scheduler, KV cache manager and CPU offload (real producer)
 	$(VLLM_BIN)/coalesce demo --scheduler
 
-bench-vllm: $(VLLM_STAMP) ## benchmarks on vLLM's own stream (results in benchmarks/results/)
+bench-vllm: $(VLLM_STAMP) ## benchmarks on vLLM's own scheduler and stream (results in benchmarks/results/)
 	$(VLLM_BIN)/python benchmarks/bench_realstream.py
+	$(VLLM_BIN)/python benchmarks/bench_realengine.py
+	$(VLLM_BIN)/python benchmarks/bench_stock_blocks.py
 
 $(SGLANG_STAMP): $(C_SOURCES) requirements/sglang.txt
 	$(call tier_venv,$(SGLANG_VENV),requirements/sglang.txt,sglang==0.5.23,test)

@@ -168,5 +168,5 @@ def table(rounds: int, gpu_ms: float) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    with recording("bench_realengine", __doc__ or "") as fig:
+    with recording("realengine", __doc__ or "") as fig:
         main(fig)

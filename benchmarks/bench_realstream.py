@@ -273,5 +273,5 @@ def main(figures: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    with recording("bench_realstream", __doc__ or "") as fig:
+    with recording("realstream", __doc__ or "") as fig:
         main(fig)

@@ -144,5 +144,5 @@ def main(figures: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    with recording("bench_stock_blocks", __doc__ or "") as fig:
+    with recording("stock_blocks", __doc__ or "") as fig:
         main(fig)

@@ -106,6 +106,9 @@ BENCHMARKS = (
     "resync",
     "replay",
     "sglang",
+    "realstream",
+    "realengine",
+    "stock_blocks",
 )
 """The benchmarks docs/benchmarks.md shows, in its order (``benchmarks/bench_<name>.py``)."""
 
