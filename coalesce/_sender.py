@@ -278,10 +278,12 @@ class Sender:
 
     def _sleep_serving(self) -> None:
         """Sleep until woken, with a replay or snapshot socket to serve: first on the
-        bell alone, for :data:`SHALLOW_SLEEP` at most (less if a heartbeat is due
-        or a reply waits), then on the sockets and the services' bell as well."""
+        bell alone, for :data:`SHALLOW_SLEEP` at most; then, unless that sleep was
+        cut short because something is due sooner (a heartbeat, a reply waiting:
+        the loop sees to it), on the sockets and the services' bell as well."""
         bell, services = self._bell, self.services
-        if bell.acquire(timeout=services.sleep_for(SHALLOW_SLEEP)):
+        shallow = services.sleep_for(SHALLOW_SLEEP)
+        if bell.acquire(timeout=shallow) or shallow < SHALLOW_SLEEP:
             return
         # wake() releases the bell, then reads _deep: either it reads True and
         # rings the services' bell, or its release came first and is seen here.

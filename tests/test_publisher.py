@@ -570,6 +570,25 @@ def test_an_idle_sender_sleeps_IDLE_SLEEP_at_most(pubs, serving):
         assert timed == {IDLE_SLEEP} and slept == []
 
 
+def test_a_sender_with_a_reply_waiting_looks_again_every_BUSY_POLL(pubs, monkeypatch):
+    """While a reply waits on something its sockets do not signal (a client not
+    reading, a snapshot behind another walk), the idle sender sleeps BUSY_POLL on
+    its bell and looks again: never a second sleep on its sockets after it."""
+    from coalesce._services import BUSY_POLL
+
+    pub = pubs(endpoint=inproc("pub"), replay_endpoint=inproc("replay"))
+    sender = pub._sender
+    bell = _Bell(sender._bell)
+    sender._bell = bell
+    slept: list[float] = []
+    sleep = sender.services.sleep
+    sender.services.sleep = lambda longest: (slept.append(longest), sleep(longest))[1]
+    monkeypatch.setattr(sender.services, "_busy", lambda: True)
+    pub.publish(batch(store(1)))
+    wait_for(lambda: sender.done == 1 and bell.timeouts.count(BUSY_POLL) >= 3)
+    assert slept == []
+
+
 @pytest.fixture
 def sleeps_long(monkeypatch):
     """An idle sender sleeps 1,000 s unless woken, and looks at its sockets once an
