@@ -91,18 +91,20 @@ def floor_reader(batches: list[Any]) -> Any | None:
     """``benchmarks/_floor.c`` built (as setup.py builds the accelerators: -O2) and
     imported, every event class of ``batches`` registered; None where it cannot be built."""
     here = os.path.dirname(os.path.abspath(__file__))
-    out = os.path.join(tempfile.mkdtemp(), "_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     include = sysconfig.get_paths()["include"]
-    built = subprocess.run(
-        [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", os.path.join(here, "_floor.c"), "-o", out],
-        capture_output=True,
-    )
-    spec = importlib.util.spec_from_file_location("_floor", out)
-    if built.returncode != 0 or spec is None or spec.loader is None:
-        return None
-    floor = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floor)
+    with tempfile.TemporaryDirectory() as tmp:  # (a loaded module outlives its file)
+        out = os.path.join(tmp, "_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
+        source = os.path.join(here, "_floor.c")
+        built = subprocess.run(
+            [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", source, "-o", out],
+            capture_output=True,
+        )
+        spec = importlib.util.spec_from_file_location("_floor", out)
+        if built.returncode != 0 or spec is None or spec.loader is None:
+            return None
+        floor = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(floor)
     for cls in {type(e) for b in batches for e in b.events}:
         floor.register(cls, tuple(getattr(cls, "__struct_fields__", ())))
     return floor

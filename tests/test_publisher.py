@@ -546,6 +546,17 @@ class _Bell:
         self.lock.release()
 
 
+def _watch_sleeps(sender: Any) -> tuple[_Bell, list[float]]:
+    """The sender's sleeps, kept: each timeout on its bell, and each ``longest``
+    of its sleeps on its sockets (Services.sleep)."""
+    bell = _Bell(sender._bell)
+    sender._bell = bell
+    slept: list[float] = []
+    sleep = sender.services.sleep
+    sender.services.sleep = lambda longest: (slept.append(longest), sleep(longest))[1]
+    return bell, slept
+
+
 @pytest.mark.parametrize("serving", [False, True])
 def test_an_idle_sender_sleeps_IDLE_SLEEP_at_most(pubs, serving):
     """An idle sender sleeps IDLE_SLEEP at most, on its bell (a lock) with nothing
@@ -556,11 +567,7 @@ def test_an_idle_sender_sleeps_IDLE_SLEEP_at_most(pubs, serving):
     extra = {"replay_endpoint": inproc("replay")} if serving else {}
     pub = pubs(endpoint=inproc("pub"), **extra)
     sender = pub._sender
-    bell = _Bell(sender._bell)
-    sender._bell = bell
-    slept: list[float] = []
-    sleep = sender.services.sleep
-    sender.services.sleep = lambda longest: (slept.append(longest), sleep(longest))[1]
+    bell, slept = _watch_sleeps(sender)
     pub.publish(batch(store(1)))  # (its wake goes through the bell too)
     wait_for(lambda: sender.done == 1 and len(slept if serving else bell.timeouts) >= 2)
     timed = {t for t in bell.timeouts if t >= 0}  # (not the looks that do not wait)
@@ -578,11 +585,7 @@ def test_a_sender_with_a_reply_waiting_looks_again_every_BUSY_POLL(pubs, monkeyp
 
     pub = pubs(endpoint=inproc("pub"), replay_endpoint=inproc("replay"))
     sender = pub._sender
-    bell = _Bell(sender._bell)
-    sender._bell = bell
-    slept: list[float] = []
-    sleep = sender.services.sleep
-    sender.services.sleep = lambda longest: (slept.append(longest), sleep(longest))[1]
+    bell, slept = _watch_sleeps(sender)
     monkeypatch.setattr(sender.services, "_busy", lambda: True)
     pub.publish(batch(store(1)))
     wait_for(lambda: sender.done == 1 and bell.timeouts.count(BUSY_POLL) >= 3)
