@@ -7,14 +7,17 @@ that every sender drains as they come (about 20, 110 and 440 events); the load
 column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
-alternate, ``--rounds`` times per size; medians.  ``coalesce`` runs with the
+alternate (in reverse order every other round), ``--rounds`` times per size;
+medians.  ``coalesce`` runs with the
 default settings, so it records every batch for an in-band resync after a loss
 (``loss_marker=resync``, no snapshot socket); ``coalesce, clear`` runs without
 that recorder (``loss_marker=clear``); ``coalesce+snap`` records for snapshots
 too (``snapshot_endpoint``, opt-in); ``coalesce+snap, windows`` too, with what
 it sent as it came gathered and recorded as the compactor's output of each 512
 events (``RECORD_WINDOW=512``, the recorder's feed before its state was C).
-``engine vs stock`` is the loop's wall time over stock's in the same round;
+``engine vs stock`` is the loop's wall time over stock's in the same round
+(the median over rounds, and a 95% bootstrap interval of that median: on a
+shared host single rounds vary by a tenth or more);
 ``publish()`` percentiles are of every call of the round (medians over rounds).
 ``sender CPU``: the CPU of the Python threads the publisher started (its
 sender, which holds the GIL the engine wants; not zmq's I/O thread) from the
@@ -57,7 +60,7 @@ from bench_publish import _spin, drain_rate, effective_sleep, make_batch
 from coalesce import CoalescingPublisher
 from coalesce.testing import IDLE_SLEEP, policy
 from coalesce_tools.baselines import REAL_VLLM, StockPublisher
-from coalesce_tools.results import header, row, run
+from coalesce_tools.results import header, median_interval, row, run
 
 KINDS = ("stock", "coalesce", "coalesce, clear", "coalesce+snap", "coalesce+snap, windows")
 WINDOWS = "coalesce+snap, windows"
@@ -217,6 +220,7 @@ def main() -> None:
         "publisher",
         "loop ms",
         "engine vs stock",
+        "95% interval",
         "p50 us",
         "p99 us",
         "stock blocked",
@@ -226,8 +230,8 @@ def main() -> None:
         events = len(make_batch(args.steps // 2, blocks).events)
         runs: dict[str, list[tuple[float, float, float, int, float]]] = {k: [] for k in kinds}
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
-        for _ in range(args.rounds):
-            for kind in kinds:
+        for r in range(args.rounds):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 with policy(RECORD_WINDOW=512) if kind == WINDOWS else contextlib.nullcontext():
                     run_ = one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin)
                 runs[kind].append(run_)
@@ -238,6 +242,8 @@ def main() -> None:
             blocked = max(r[3] for r in runs["stock"]) if kind == "stock" else ""
             load = f"{events / (rate * gpu_eff):.2f}x"
             vs = f"{statistics.median(ratios[kind]):.2f}x"
+            low, high = median_interval(ratios[kind])
+            interval = "" if kind == "stock" else f"{low:.2f}x-{high:.2f}x"
             sender = statistics.median(r[4] for r in runs[kind]) / (events * args.steps) * 1e9
             row(
                 events,
@@ -245,6 +251,7 @@ def main() -> None:
                 kind,
                 f"{wall * 1e3:.0f}",
                 vs,
+                interval,
                 f"{p50:.1f}",
                 f"{p99:.1f}",
                 blocked,

@@ -16,7 +16,9 @@ warmed up); the table gives medians of the engine loop's wall time (to the
 last step, not to the last message sent), of the median and p99 step time, and
 of the time spent inside ``publish()``, and each publisher's loop time over
 stock's (median, and fastest run: on a shared 2-core VM the fastest is the
-least disturbed).  ``sender CPU``: the CPU of the Python threads the engine's
+least disturbed), and the median of the loop's time over stock's in the same
+round with a 95% bootstrap interval of that median (how far this host lets
+the figure be trusted).  ``sender CPU``: the CPU of the Python threads the engine's
 construction started (the publisher's sender, which holds the GIL the engine
 wants; not zmq's I/O thread), from the loop's start until everything was sent
 (``benchmarks/_threads.py``, Linux only).  On this stream stock never finds its queue full
@@ -41,7 +43,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _threads import cpu_seconds, started_by
 from bench_stock_blocks import _port, _reader
 
-from coalesce_tools.results import header, recording, row
+from coalesce_tools.results import header, median_interval, recording, row
 
 ROWS = ("null", "stock", "coalesce", "coalesce, clear", "coalesce+snap")
 SETTINGS = {
@@ -137,6 +139,7 @@ def table(rounds: int, gpu_ms: float) -> dict[str, Any]:
         "over stock",
         "fastest loop s",
         "fastest over stock",
+        "round by round: median (95% interval)",
         "step ms median",
         "step ms p99",
         "in publish() ms",
@@ -149,12 +152,18 @@ def table(rounds: int, gpu_ms: float) -> dict[str, Any]:
     best = {k: min(s["loop_s"] for s in v) for k, v in samples.items()}
     for kind in ROWS:
         m = med[kind]
+        ratios = [
+            a["loop_s"] / b["loop_s"] for a, b in zip(samples[kind], samples["stock"], strict=True)
+        ]
+        low, high = median_interval(ratios)
+        by_round = f"{statistics.median(ratios):.3f}x ({low:.3f}x-{high:.3f}x)"
         row(
             kind,
             f"{m['loop_s']:.2f}",
             f"{m['loop_s'] / med['stock']['loop_s']:.3f}x",
             f"{best[kind]:.2f}",
             f"{best[kind] / best['stock']:.3f}x",
+            "" if kind == "stock" else by_round,
             f"{m['step_ms_median']:.2f}",
             f"{m['step_ms_p99']:.1f}",
             f"{m['publish_ms']:.1f}",

@@ -125,3 +125,18 @@ def test_the_headline_is_the_newest_demo_result_of_any_host_shape(tmp_path, monk
     assert (
         docgen.headline() == "One run on a 16-core host (c), 2026-12-06:\n\n| a |\n|---|\n| new |"
     )
+
+
+def test_the_median_interval_holds_the_median_and_narrows_with_agreeing_rounds() -> None:
+    from coalesce_tools.results import median_interval
+
+    spread = [0.82, 0.9, 0.97, 1.0, 1.02, 1.05, 1.1, 1.2, 1.25]
+    low, high = median_interval(spread)
+    assert low <= 1.02 <= high and low < high
+    assert median_interval(spread) == (low, high)  # seeded: the same figures, the same interval
+    tight = [1.02 + (i % 3 - 1) * 0.001 for i in range(25)]
+    t_low, t_high = median_interval(tight)
+    assert low < t_low <= 1.02 <= t_high < high
+    assert median_interval([1.5]) == (1.5, 1.5)
+    with pytest.raises(ValueError):
+        median_interval([])
