@@ -10,7 +10,8 @@
 #include <structmember.h>
 #include <stdint.h>
 
-#define FIELD(ev, off) (*(PyObject **)((char *)(ev) + (off)))
+#include "_cstruct.h" /* member_offset(): a slot's offset, as the accelerators find it */
+
 #define MAX_TYPES 16
 #define MAX_OTHER 16
 
@@ -23,19 +24,6 @@ typedef struct {
 
 static Layout layouts[MAX_TYPES];
 static int nlayouts;
-
-/* The slot offset of field `name` of `type`, or -1. */
-static Py_ssize_t offset_of(PyTypeObject *type, PyObject *name) {
-    PyObject *d = PyObject_GetAttr((PyObject *)type, name);
-    if (d == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t off = -1;
-    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) off = ((PyMemberDescrObject *)d)->d_member->offset;
-    Py_DECREF(d);
-    return off;
-}
 
 /* register(cls, fields): learn a msgspec struct class's field offsets. */
 static PyObject *floor_register(PyObject *self, PyObject *args) {
@@ -54,7 +42,7 @@ static PyObject *floor_register(PyObject *self, PyObject *args) {
     for (int r = 0; r < 6; r++) *roles[r] = -1;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(fields); i++) {
         PyObject *name = PyTuple_GET_ITEM(fields, i);
-        Py_ssize_t off = offset_of(l->type, name);
+        Py_ssize_t off = member_offset(l->type, name);
         if (off < 0) continue;
         int role = -1;
         for (int r = 0; r < 6; r++)

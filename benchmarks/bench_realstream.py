@@ -88,16 +88,17 @@ def record(offload: str) -> tuple[list[Any], dict[str, Any]]:
 
 
 def floor_reader(batches: list[Any]) -> Any | None:
-    """``benchmarks/_floor.c`` built (as setup.py builds the accelerators: -O2) and
-    imported, every event class of ``batches`` registered; None where it cannot be built."""
+    """``benchmarks/_floor.c`` built (as setup.py builds the accelerators: -O2, with
+    their ``_cstruct.h``) and imported, every event class of ``batches`` registered; None where it cannot be built."""
     here = os.path.dirname(os.path.abspath(__file__))
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     include = sysconfig.get_paths()["include"]
+    library = os.path.join(here, "..", "coalesce")  # (_cstruct.h)
     with tempfile.TemporaryDirectory() as tmp:  # (a loaded module outlives its file)
         out = os.path.join(tmp, "_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
         source = os.path.join(here, "_floor.c")
         built = subprocess.run(
-            [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", source, "-o", out],
+            [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", f"-I{library}", source, "-o", out],
             capture_output=True,
         )
         spec = importlib.util.spec_from_file_location("_floor", out)
