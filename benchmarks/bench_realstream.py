@@ -89,7 +89,8 @@ def record(offload: str) -> tuple[list[Any], dict[str, Any]]:
 
 def floor_reader(batches: list[Any]) -> Any | None:
     """``benchmarks/_floor.c`` built (as setup.py builds the accelerators: -O2, with
-    their ``_cstruct.h``) and imported, every event class of ``batches`` registered; None where it cannot be built."""
+    their ``_cstruct.h``) and imported, every event class of ``batches``
+    registered; None where it cannot be built."""
     here = os.path.dirname(os.path.abspath(__file__))
     cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
     include = sysconfig.get_paths()["include"]
