@@ -56,6 +56,7 @@ typedef struct {
     unsigned char *p; /* b's buffer */
     size_t n, cap;
     size_t hint; /* the first size tried: the last batch's, with room to spare */
+    size_t at;   /* where put_event() began the last event */
 } Out;
 
 #define OUT_HINT_MAX ((size_t)1 << 22) /* (a huge batch's size is not the next hint) */
@@ -178,7 +179,7 @@ static int put_value(Out *o, PyObject *v, int depth) {
 
 /* One event as a map.  1 written; 0 declined. */
 static int put_event(Out *o, PyObject *ev, const EncInfo *e) {
-    size_t head = o->n, tl = (size_t)PyBytes_GET_SIZE(e->tagkv);
+    size_t head = o->at = o->n, tl = (size_t)PyBytes_GET_SIZE(e->tagkv);
     if (!out_room(o, 3 + tl)) return 0;
     o->n += e->map16 ? 3 : 1;
     out_bytes(o, PyBytes_AS_STRING(e->tagkv), tl);

@@ -12,9 +12,10 @@
  *   interned to ids, held while a kept source stores them (a negative int is
  *   keyed by its two's complement, flagged apart: SGLang's signed hashes);
  * - sources: a C array of slots (freed slots reused) linked in recorded
- *   order; each holds a strong reference to its store event (kept whole for
- *   the program; its hash and token lists of ints untracked by the cyclic GC),
- *   its hashes as keys, its dependencies and its refs (keys naming it +
+ *   order; each holds its store event whole for the program: the bytes
+ *   encode_record() wrote for it (Enc: no Python object), or a strong
+ *   reference to the event from record() (its hash and token lists of ints
+ *   untracked by the cyclic GC); its hashes as keys, its dependencies and its refs (keys naming it +
  *   dependants).  A source is dropped as soon as its refs fall
  *   to 0 (the Python recorder collects at the end of the batch: the same
  *   state, since nothing can reach a source no key names).
@@ -36,15 +37,18 @@
  * State.encode_record(batch, max_blocks): the batch encoded as msgspec's
  * Encoder() encodes it (_cr_encode.h: the shapes and values it writes) and
  * its events read into ops as record() reads them, each event read once for
- * both; then the ops applied as above.  It declines (None, nothing recorded,
+ * both, a store kept as the bytes written for it; then the ops applied as
+ * above.  It declines (None, nothing recorded,
  * not even a scope interned) where record() would stop, or at a class or
  * value it does not write.
  *
  * State.walk(...) -> Walk: the replay program, a chunk per next() (the
- * Python recorder's chunks(), the same events in the same chunks).
+ * Python recorder's chunks(), the same events in the same chunks; a store
+ * kept as its bytes is a msgspec.Raw of them: the same wire).
  * State.export() -> (live, sources, refs, n): the state in the Python
  * recorder's form, source ids renumbered in recorded order (for the fall
- * back, check() and the differential tests). */
+ * back, check() and the differential tests; a store kept as its bytes is
+ * (its class, a msgspec.Raw of them)). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -67,6 +71,8 @@ enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP,
 static Py_ssize_t g_nogil_from = 128; /* hashes in a call from which the table is updated
                                        without the GIL (set_nogil_from) */
 #define MAX_SCOPES 0x7ffffff0u
+static int g_keep_encoded = 1; /* encode_record() keeps stores as their encoding
+                                  (set_keep_encoded) */
 
 typedef struct {
     PyTypeObject *type; /* strong reference, kept for the process's life */
@@ -90,8 +96,19 @@ static TypeInfo *find_type(PyTypeObject *tp) {
 
 /* ---- the state ------------------------------------------------------------ */
 
+/* A store kept as its encoding (encode_record() writes it anyway): one block
+ * of C memory, so dropping it is a free(), not the release of an event of a
+ * score of Python objects long out of the caches.  The walk hands it out as a
+ * msgspec.Raw: the same bytes on the wire. */
 typedef struct {
-    PyObject *ev;   /* strong; NULL: a free slot */
+    uint32_t len;
+    uint16_t type; /* its class, an index in g_types */
+    unsigned char b[];
+} Enc;
+
+typedef struct {
+    PyObject *ev;   /* strong; NULL: encoded (enc), or a free slot (enc NULL too) */
+    Enc *enc;
     uint64_t *hs;   /* its hashes as keys (size > 1), else h1 */
     uint64_t h1;
     uint8_t *ifl;   /* per hash: its hash_key flag (1 interned, 3 negative); NULL: all 0 */
@@ -124,6 +141,7 @@ typedef struct {
     int kind; /* K_STORED or K_REMOVED */
     uint32_t scope;
     PyObject *ev; /* a store's: a new reference, handed to its source */
+    Enc *enc;     /* or its encoding (encode_record()), handed to its source */
     size_t h0;
     uint32_t n;
     uint8_t parent; /* 0 none (None, or an interned kind never seen), 1 a key */
@@ -192,6 +210,22 @@ static void publish(State *st) {
     st->pub_sources = st->nsources;
 }
 
+/* msgspec.Raw (set_raw_type()): compact_for_wire() writes a merged event's
+ * hash and token lists as a Raw holding the list's msgpack encoding, and a
+ * walk hands out an encoded source (Enc) as a Raw of it. */
+static PyTypeObject *g_raw_type = NULL;
+
+/* The event source s stores, a new reference: the event kept, or its
+ * encoding as a msgspec.Raw (NULL: an exception set). */
+static PyObject *src_event(const Src *s) {
+    if (s->enc == NULL) return Py_NewRef(s->ev);
+    PyObject *b = PyBytes_FromStringAndSize((const char *)s->enc->b, (Py_ssize_t)s->enc->len);
+    if (b == NULL) return NULL;
+    PyObject *raw = PyObject_CallOneArg((PyObject *)g_raw_type, b);
+    Py_DECREF(b);
+    return raw;
+}
+
 /* -- sources (no Python API: may run without the GIL) -- */
 
 static uint32_t src_alloc(State *st) {
@@ -203,6 +237,7 @@ static uint32_t src_alloc(State *st) {
         st->src = v;
         for (uint32_t i = st->nsrc_cap; i < cap; i++) {
             v[i].ev = NULL;
+            v[i].enc = NULL;
             v[i].next = i + 1 < cap ? i + 1 : NIL;
         }
         st->free_head = st->nsrc_cap;
@@ -234,10 +269,15 @@ static int src_release_slow(State *st, uint32_t id) {
         uint32_t sid = VEC_AT(&st->stack, uint32_t, --st->stack.n);
         Src *s = &st->src[sid];
         if (--s->refs > 0) continue;
-        PyObject **d = (PyObject **)vec_push(&st->dead);
-        if (d == NULL) return 0;
-        *d = s->ev;
-        s->ev = NULL;
+        if (s->enc != NULL) {
+            free(s->enc);
+            s->enc = NULL;
+        } else {
+            PyObject **d = (PyObject **)vec_push(&st->dead);
+            if (d == NULL) return 0;
+            *d = s->ev;
+            s->ev = NULL;
+        }
         st->kept -= s->size;
         st->nsources--;
         if (s->ifl != NULL) {
@@ -326,7 +366,9 @@ static int apply_store(State *st, Op *op) {
     Src *s = &st->src[sid];
     /* (every field set one by one: cheaper than a memset of the slot) */
     s->ev = op->ev;
+    s->enc = op->enc;
     op->ev = NULL; /* (the source owns it now) */
+    op->enc = NULL;
     s->hs = NULL;
     s->h1 = 0;
     s->ifl = NULL;
@@ -453,6 +495,7 @@ static void finish(State *st) {
         Op *op = &VEC_AT(&st->ops, Op, k);
         work += op->ntok + 1;
         Py_XDECREF(op->ev);
+        free(op->enc);
     }
     vec_trim(&st->ops);
     vec_trim(&st->hb);
@@ -484,15 +527,21 @@ static void finish(State *st) {
 static void forget_sources(State *st, int room) {
     for (uint32_t i = 0; i < st->nsrc_cap; i++) {
         Src *s = &st->src[i];
-        if (s->ev == NULL) continue;
-        Grave *g = (Grave *)vec_push(&st->grave);
-        if (g != NULL) {
-            g->ev = s->ev;
-            g->cost = 1 + s->ntok + (Py_ssize_t)s->size;
-        } else if (!room) {
-            Py_DECREF(s->ev); /* (OOM: released now) */
+        if (s->enc != NULL) {
+            free(s->enc);
+            s->enc = NULL;
+        } else if (s->ev == NULL) {
+            continue; /* a free slot */
+        } else {
+            Grave *g = (Grave *)vec_push(&st->grave);
+            if (g != NULL) {
+                g->ev = s->ev;
+                g->cost = 1 + s->ntok + (Py_ssize_t)s->size;
+            } else if (!room) {
+                Py_DECREF(s->ev); /* (OOM: released now) */
+            }
+            s->ev = NULL;
         }
-        s->ev = NULL;
         if (s->size > 1) free(s->hs);
         if (s->ndeps > 1) free(s->deps);
         free(s->ifl);
@@ -747,9 +796,6 @@ static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *fl
     return 1;
 }
 
-/* msgspec.Raw (set_raw_type()): compact_for_wire() writes a merged event's
- * hash and token lists as a Raw holding the list's msgpack encoding. */
-static PyTypeObject *g_raw_type = NULL;
 
 /* The k-byte big-endian unsigned int at *q (k <= 8) in *u, *q moved past it;
  * 0 when fewer than k bytes are left before end. */
@@ -853,8 +899,9 @@ static void untrack_ints(PyObject *o) {
 }
 
 /* Read one store or removal into an op.  1 read (or nothing to do), 0 an event
- * it does not take, -1 a Python error. */
-static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
+ * it does not take, -1 a Python error.  `kept`: a store's event will be kept
+ * (not its bytes): its lists of ints leave the cyclic GC. */
+static int read_event(State *st, PyObject *ev, const TypeInfo *ti, int kept) {
     PyObject *hashes = FIELD(ev, ti->off[F_HASHES]);
     if (hashes == NULL) return 0;
     PyObject **items = NULL;
@@ -883,6 +930,7 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     op->kind = ti->kind;
     op->scope = (uint32_t)scope;
     op->ev = NULL;
+    op->enc = NULL;
     op->n = (uint32_t)n;
     op->parent = 0;
     op->tokens = 0;
@@ -945,8 +993,10 @@ static int read_event(State *st, PyObject *ev, const TypeInfo *ti) {
     op->h0 = h0;
     if (store) {
         op->ev = Py_NewRef(ev);
-        untrack_ints(hashes);
-        untrack_ints(toks);
+        if (kept) {
+            untrack_ints(hashes);
+            untrack_ints(toks);
+        }
         st->store_ops++;
         st->store_hashes += n;
     }
@@ -1097,7 +1147,7 @@ static PyObject *State_record(State *st, PyObject *const *args, Py_ssize_t nargs
             st->stopped = STOP_PYTHON;
             break;
         }
-        int r = read_event(st, ev, ti);
+        int r = read_event(st, ev, ti, 1);
         if (r < 0) {
             PyErr_Clear(); /* the Python recorder meets it again, and says what it is */
             r = 0;
@@ -1263,11 +1313,30 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
             ok = 0;
             break;
         }
-        int r = read_event(st, ev, ti);
+        size_t nops = st->ops.n;
+        int encoded = g_keep_encoded && g_raw_type != NULL;
+        int r = read_event(st, ev, ti, !encoded);
         if (r <= 0) {
             PyErr_Clear();
             ok = 0;
             break;
+        }
+        if (st->ops.n > nops && encoded) { /* a store: kept as the bytes just written */
+            Op *op = &VEC_AT(&st->ops, Op, nops);
+            size_t n = o->n - o->at;
+            if (op->ev != NULL && n < UINT32_MAX) {
+                op->enc = (Enc *)malloc(sizeof(Enc) + n);
+                if (op->enc == NULL) {
+                    PyErr_NoMemory();
+                    PyErr_Clear();
+                    ok = 0;
+                    break;
+                }
+                op->enc->len = (uint32_t)n;
+                op->enc->type = (uint16_t)(ti - g_types);
+                memcpy(op->enc->b, o->p + o->at, n);
+                Py_CLEAR(op->ev);
+            }
         }
     }
     if (ok) { /* (read now: reading the events may have run Python code) */
@@ -1368,8 +1437,14 @@ static PyObject *State_export(State *st, PyObject *unused) {
             PyTuple_SET_ITEM(deps, j, x);
         }
         PyObject *id = PyLong_FromUnsignedLong(order[sid]);
-        PyObject *tup = Py_BuildValue("(OONOI)", s->ev, st->scopes[s->scope], deps,
-                                      s->tokens ? Py_True : Py_False, (unsigned int)s->size);
+        PyObject *ev = src_event(s);
+        if (ev != NULL && s->enc != NULL) /* (its class with it: (cls, Raw)) */
+            Py_SETREF(ev, PyTuple_Pack(2, (PyObject *)g_types[s->enc->type].type, ev));
+        PyObject *tup = ev == NULL ? NULL
+                                   : Py_BuildValue("(NONOI)", ev, st->scopes[s->scope], deps,
+                                                   s->tokens ? Py_True : Py_False,
+                                                   (unsigned int)s->size);
+        if (ev == NULL) Py_DECREF(deps);
         PyObject *r = PyLong_FromUnsignedLong(s->refs);
         int err = id == NULL || tup == NULL || r == NULL ? -1 : PyDict_SetItem(sources, id, tup);
         if (err == 0) err = PyDict_SetItem(refs, id, r);
@@ -1418,6 +1493,7 @@ static PyObject *State_nbytes(State *st, void *closure) {
         if (s->size > 1) b += s->size * sizeof(uint64_t);
         if (s->ifl) b += s->size;
         if (s->ndeps > 1) b += s->ndeps * sizeof(uint32_t);
+        if (s->enc != NULL) b += sizeof(Enc) + s->enc->len;
     }
     return PyLong_FromSize_t(b);
 }
@@ -1617,7 +1693,7 @@ fail:
     return NULL;
 }
 
-/* The program's next item: 1 an event (*ev borrowed, *ntok its tokens), 2 work
+/* The program's next item: 1 an event (*ev a new reference, *ntok its tokens), 2 work
  * (*work hashes looked at), 0 the end, -1 an error. */
 static int produce(Walk *w, PyObject **ev, Py_ssize_t *ntok, Py_ssize_t *work) {
     State *st = w->st;
@@ -1632,9 +1708,9 @@ static int produce(Walk *w, PyObject **ev, Py_ssize_t *ntok, Py_ssize_t *work) {
             Src *s = &st->src[w->cur];
             if (w->stage == 0) {
                 w->stage = 1;
-                *ev = s->ev;
+                *ev = src_event(s);
                 *ntok = s->ntok;
-                return 1;
+                return *ev == NULL ? -1 : 1;
             }
             if (!scan(w, w->cur, 1)) goto oom;
             *work = s->size;
@@ -1666,9 +1742,9 @@ static int produce(Walk *w, PyObject **ev, Py_ssize_t *ntok, Py_ssize_t *work) {
                 if (per * (1 + again_of(w, sid)) + foreign_of(w, k->h, k->sk) < e->count) {
                     w->stage = 2;
                     w->msid = sid;
-                    *ev = s->ev;
+                    *ev = src_event(s);
                     *ntok = s->ntok;
-                    return 1;
+                    return *ev == NULL ? -1 : 1;
                 }
                 w->mi++;
                 w->stage = 0;
@@ -1693,7 +1769,7 @@ static int produce(Walk *w, PyObject **ev, Py_ssize_t *ntok, Py_ssize_t *work) {
                 w->phase = 3;
                 return 0;
             }
-            *ev = PyList_GET_ITEM(w->removals, w->ri++);
+            *ev = Py_NewRef(PyList_GET_ITEM(w->removals, w->ri++));
             PyObject *toks = PyObject_GetAttrString(*ev, "token_ids");
             if (toks == NULL) {
                 PyErr_Clear();
@@ -1701,7 +1777,10 @@ static int produce(Walk *w, PyObject **ev, Py_ssize_t *ntok, Py_ssize_t *work) {
             } else {
                 *ntok = toks == Py_None ? 0 : PyObject_Length(toks);
                 Py_DECREF(toks);
-                if (*ntok < 0) return -1;
+                if (*ntok < 0) {
+                    Py_CLEAR(*ev);
+                    return -1;
+                }
             }
             return 1;
         }
@@ -1757,7 +1836,9 @@ static PyObject *Walk_next(Walk *w, PyObject *unused) {
             work += n;
             if (work < w->max_work) continue;
         } else {
-            if (PyList_Append(out, ev) < 0) {
+            int err = PyList_Append(out, ev);
+            Py_DECREF(ev);
+            if (err < 0) {
                 Py_DECREF(out);
                 return NULL;
             }
@@ -2010,6 +2091,14 @@ static PyObject *cr_set_nogil_from(PyObject *self, PyObject *arg) {
     return PyLong_FromSsize_t(was);
 }
 
+static PyObject *cr_set_keep_encoded(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    int was = g_keep_encoded;
+    g_keep_encoded = on;
+    return PyBool_FromLong(was);
+}
+
 static PyMethodDef methods[] = {
     {"register", cr_register, METH_VARARGS, register_doc},
     {"set_layout", cr_set_layout, METH_VARARGS, set_layout_doc},
@@ -2018,6 +2107,9 @@ static PyMethodDef methods[] = {
     {"set_nogil_from", cr_set_nogil_from, METH_O,
      "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
      "never); the previous setting (for benchmarks)."},
+    {"set_keep_encoded", cr_set_keep_encoded, METH_O,
+     "set_keep_encoded(on) -> bool: encode_record() keeps a store as its encoding\n"
+     "(else the event); the previous setting (for benchmarks and tests)."},
     CSTRUCT_METHODS{NULL, NULL, 0, NULL},
 };
 

@@ -37,9 +37,10 @@ a snapshot request gets ``-2`` until the next ``AllBlocksCleared``, after
 which it is exact again.
 
 Memory, in the C state: per held key one 24-byte slot of a table at most
-half full; per kept source one 88-byte slot, a strong reference to its event
-(shared, not copied) and its hashes as 64-bit keys (8 bytes each, for the
-program); non-u64 hashes and scopes interned while a kept source stores them.
+half full; per kept source one 96-byte slot, its event (the bytes the sender
+wrote for it when it went through :meth:`Recorder.encode`, else a strong
+reference to the event, shared, not copied) and its hashes as 64-bit keys (8
+bytes each, for the program); non-u64 hashes and scopes interned while a kept source stores them.
 Batches that cancel out leave it as it was (the table shrinks back once
 under 1/8 full).  In the Python dicts: per held key one dict entry, its count
 and source packed in one int (not tracked by the cyclic garbage collector,
@@ -59,7 +60,11 @@ tests/test_recorder_c.py run both and compare them).  :meth:`Recorder.encode`
 is the sender's path for a batch it sends as it came: the C state writes the
 batch's msgpack (msgspec's bytes: ``coalesce._fused``) and reads its events for
 the recorder in the same pass, so that recording costs the sender less than
-reading the events a second time (docs/benchmarks.md, ``bench_recorder``).
+reading the events a second time (docs/benchmarks.md, ``bench_recorder``);
+it keeps each store as the bytes it wrote for it, not the event, so that
+dropping a store once the engine has evicted its blocks is a ``free`` and not
+the release of its Python objects, long out of the caches (the program hands
+those bytes out as a ``msgspec.Raw``: the same wire).
 An event the C loop cannot read (a hash that is neither an int, bytes nor
 str, a field of a type it does not take, a class whose fields are not slots)
 moves the state into
@@ -363,11 +368,11 @@ class Recorder:
     def _exported(
         self,
     ) -> tuple[dict[Scope, dict[Any, int]], dict[int, tuple[Any, ...]], dict[int, int], list[int]]:
-        """The C state's :meth:`export`, every source's event with its lists as lists
-        (:func:`_listed`).  O(keys + sources)."""
+        """The C state's :meth:`export`, every source's event an event with its lists
+        as lists (:func:`_readable`).  O(keys + sources)."""
         live, sources, refs, n = self._cs.export()
         for sid, source in sources.items():
-            event = _listed(source[EVENT])
+            event = _readable(source[EVENT])
             if event is not source[EVENT]:
                 sources[sid] = (event, *source[SCOPE:])
         return live, sources, refs, n
@@ -770,6 +775,24 @@ def _listed(ev: Any) -> Any:
         if type(value := getattr(ev, name, None)) is msgspec.Raw
     }
     return msgspec.structs.replace(ev, **lists) if lists else ev
+
+
+_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+"""A decoder per event class, for the stores the C state keeps as their encoding."""
+
+
+def _readable(kept: Any) -> Any:
+    """A C source's event as the Python recorder reads it: the event (its lists as
+    lists, :func:`_listed`), or, for a store the C state keeps as its encoding (a
+    ``(cls, msgspec.Raw)`` pair), that encoding decoded as ``cls``.  O(the event).
+    Raises where the bytes do not decode as the class's annotations say."""
+    if type(kept) is not tuple:
+        return _listed(kept)
+    cls, raw = kept
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        decoder = _DECODERS[cls] = msgspec.msgpack.Decoder(cls)
+    return decoder.decode(raw)
 
 
 def _kind_of(cls: type) -> int:

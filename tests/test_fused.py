@@ -99,6 +99,17 @@ def batches(draw: Any) -> list[KVEventBatch]:
     return out
 
 
+def on_the_wire(rec: Recorder) -> tuple[Any, ...]:
+    """``rec``'s state with each kept event as its encoding, and its program's
+    events as theirs: the fused path keeps a store as the bytes it wrote (a walk
+    hands it out as a ``msgspec.Raw``), the apart path keeps the event itself; a
+    subscriber reads the same either way."""
+    live, sources, refs, n = rec.export()
+    sources = {sid: (ENC.encode(s[0]), *s[1:]) for sid, s in sources.items()}
+    program = [ENC.encode(ev) for ch in rec.chunks() for ev in ch]
+    return live, sources, refs, n, program
+
+
 def fused_then_apart(rec: Recorder, batch: Any) -> bytes:
     """What the sender does: the fused path, or else encode and record apart."""
     payload = rec.encode(batch)
@@ -118,14 +129,14 @@ def test_the_fused_bytes_are_msgspecs_and_the_state_is_records(given_batches):
         assert fused_then_apart(fused, b) == ENC.encode(b)
         taken += fused._cs.encoded - before
         apart.record(b)
-        assert fused.export() == apart.export()
+        assert on_the_wire(fused) == on_the_wire(apart)
         assert (fused.held, fused.batches, fused.events) == (
             apart.held,
             apart.batches,
             apart.events,
         )
     assert fused.state() == apart.state()
-    assert [ev for ch in fused.chunks() for ev in ch] == [ev for ch in apart.chunks() for ev in ch]
+    assert on_the_wire(fused) == on_the_wire(apart)
     assert taken == len(given_batches), "every value here is one the fused encoder writes"
 
 
@@ -183,6 +194,40 @@ def test_clears_and_moves_are_recorded_apart():
         assert rec.encode(batch) is None
         rec.record(batch)
     assert rec._cs.encoded == 0 and rec.valid
+
+
+def test_a_store_taken_is_kept_as_its_bytes_and_read_back_where_python_takes_over():
+    """The fused path keeps a store as the bytes it wrote for it (so dropping it is
+    a free, not the release of a score of Python objects long out of the caches):
+    the program hands them out as a Raw, the wire unchanged; moving the state to
+    the Python recorder decodes them as their class."""
+    rec = Recorder(10**9)
+    tokens = list(range(1000, 1000 + 32))
+    store = _store(5, token_ids=tokens, block_size=32)
+    batch = KVEventBatch(ts=1.0, events=[store, _store(6, parent_block_hash=5)])
+    assert rec.encode(batch) == ENC.encode(batch)
+    kept = rec._cs.export()[1][0][0]
+    assert type(kept) is tuple and kept[0] is BlockStored and type(kept[1]) is msgspec.Raw
+    assert bytes(kept[1]) == ENC.encode(store)
+    program = [ev for ch in rec.chunks() for ev in ch]
+    assert [type(ev) for ev in program] == [msgspec.Raw, msgspec.Raw]
+    assert [bytes(ev) for ev in program] == [ENC.encode(ev) for ev in batch.events]
+    assert rec.export()[1][0][0] == store  # (read back: decoded as its class)
+    # an event the C loop cannot read (a float hash) moves the state to Python
+    rec.record(KVEventBatch(ts=2.0, events=[_store(7), BlockRemoved([1.5], medium="GPU")]))
+    assert not rec._cmode and rec.valid
+    assert rec.state() == {("GPU", None, 5): 1, ("GPU", None, 6): 1, ("GPU", None, 7): 1}
+    program = [ENC.encode(ev) for ch in rec.chunks() for ev in ch]
+    assert program == [ENC.encode(ev) for ev in (*batch.events, _store(7))]
+
+
+def test_a_dropped_store_kept_as_bytes_frees_them():
+    rec = Recorder(10**9)
+    rec.encode(KVEventBatch(ts=0.0, events=[_store(h, token_ids=[h] * 16) for h in range(100)]))
+    full = rec._cs.nbytes
+    rec.encode(KVEventBatch(ts=1.0, events=[BlockRemoved(list(range(100)), medium="GPU")]))
+    assert rec.held == 0 and rec._cs.sources == 0
+    assert rec._cs.nbytes < full - 100 * len(ENC.encode(_store(0, token_ids=[0] * 16)))
 
 
 class _Tagged(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
