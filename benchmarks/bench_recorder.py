@@ -365,13 +365,16 @@ def cancelling(i: int) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[store, gone], data_parallel_rank=0)
 
 
-def big_state(blocks: int, accelerated: bool | None = None) -> Recorder:
-    """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size)."""
+def big_state(blocks: int, accelerated: bool | None = None, fused: bool = False) -> Recorder:
+    """``blocks`` held GPU blocks in chains of 64, 16 tokens each (vLLM's default size),
+    recorded (``fused``: encoded and recorded in one pass, the sender's path for a
+    batch it sends, which keeps each store as the bytes it wrote)."""
     rec = Recorder(blocks + 1, accelerated=accelerated)
     for start in range(0, blocks, 64):
         hashes = [(2**40 + h) * 2654435761 % 2**64 for h in range(start, min(start + 64, blocks))]
-        ev = root_store(hashes)
-        rec.record(KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=0))
+        batch = KVEventBatch(ts=0.0, events=[root_store(hashes)], data_parallel_rank=0)
+        if not fused or rec.encode(batch) is None:
+            rec.record(batch)
     assert rec.valid and rec.held == blocks
     return rec
 
@@ -461,11 +464,11 @@ def main() -> None:
         _c_mb(rec),
     )
     del rec
-    for blocks in (100_000, args.blocks):
-        big = big_state(blocks)
+    for blocks, fused in ((100_000, False), (args.blocks, False), (args.blocks, True)):
+        big = big_state(blocks, fused=fused)
         per_block, longest = snapshot_cost(big, 3)
         row(
-            f"{blocks:,} blocks",
+            f"{blocks:,} blocks" + (", sent (kept as bytes)" if fused else ""),
             f"{big.held:,}",
             f"{per_block * 1e9:.0f}",
             f"{longest * 1e3:.2f}",
@@ -487,7 +490,7 @@ def main() -> None:
         "RSS growth MB, events included",
         "then 100,000 cancelling batches: RSS growth MB",
     )
-    for accelerated in ("1", "0"):
+    for accelerated in ("1", "fused", "0"):
         out = subprocess.run(
             [sys.executable, __file__, "--rss-child", str(args.blocks), accelerated],
             capture_output=True,
@@ -496,7 +499,9 @@ def main() -> None:
         )
         c_mb, grown, refused = json.loads(out.stdout.splitlines()[-1])
         row(
-            "C state" if accelerated == "1" else "Python dicts",
+            {"1": "C state", "fused": "C state, sent (kept as bytes)", "0": "Python dicts"}[
+                accelerated
+            ],
             f"{args.blocks:,}",
             f"{c_mb:.1f}" if c_mb else "",
             f"{grown:.0f}",
@@ -504,7 +509,12 @@ def main() -> None:
         )
     print()
     header("full GC collection (a fresh process)", "one-block stores", "longest ms", "GC objects")
-    for how, name in (("none", "made and dropped"), ("1", "kept: C state"), ("0", "kept: Python")):
+    for how, name in (
+        ("none", "made and dropped"),
+        ("1", "kept: C state"),
+        ("fused", "kept: C state, sent (as bytes)"),
+        ("0", "kept: Python"),
+    ):
         out = subprocess.run(
             [sys.executable, __file__, "--gc-child", str(args.blocks), how],
             capture_output=True,
@@ -515,12 +525,14 @@ def main() -> None:
         row(name, f"{args.blocks:,}", f"{pause:.1f}", f"{objects:,}")
 
 
-def rss_child(blocks: int, accelerated: bool) -> None:
+def rss_child(blocks: int, how: str) -> None:
     """In a fresh process: the RSS a recorder of ``blocks`` held blocks adds (its
-    recorded events included), then what 100,000 batches that cancel out add."""
+    recorded events included), then what 100,000 batches that cancel out add
+    (``how``: "1" the C state, "fused" the C state fed by the sender's fused path,
+    "0" the Python dicts)."""
     gc.collect()
     before = rss()
-    big = big_state(blocks, accelerated)
+    big = big_state(blocks, how != "0", fused=how == "fused")
     gc.collect()
     grown = rss() - before
     before = rss()
@@ -535,15 +547,16 @@ def rss_child(blocks: int, accelerated: bool) -> None:
 def gc_child(blocks: int, how: str) -> None:
     """In a fresh process: the longest of three full collections of the cyclic GC with
     ``blocks`` one-block stores (vLLM's CPU stores: a hash list and 16 tokens each)
-    kept by the recorder (``how``: "1" the C state, "0" the Python dicts), or made
-    and dropped ("none")."""
-    rec = None if how == "none" else Recorder(blocks + 1, accelerated=how == "1")
+    kept by the recorder (``how``: "1" the C state, "fused" the C state fed by the
+    sender's fused path, "0" the Python dicts), or made and dropped ("none")."""
+    rec = None if how == "none" else Recorder(blocks + 1, accelerated=how != "0")
     for start in range(0, blocks, 100):
         events: list[Any] = [
             root_store([h + 1], "CPU") for h in range(start, min(start + 100, blocks))
         ]
-        if rec is not None:
-            rec.record(KVEventBatch(ts=0.0, events=events, data_parallel_rank=0))
+        batch = KVEventBatch(ts=0.0, events=events, data_parallel_rank=0)
+        if rec is not None and (how != "fused" or rec.encode(batch) is None):
+            rec.record(batch)
     gc.collect()
     pauses = []
     for _ in range(3):
@@ -564,6 +577,6 @@ if __name__ == "__main__":
         gc_child(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
     if sys.argv[1:2] == ["--rss-child"]:
-        rss_child(int(sys.argv[2]), sys.argv[3] == "1")
+        rss_child(int(sys.argv[2]), sys.argv[3])
     else:
         run("recorder", __doc__, main)

@@ -97,9 +97,10 @@ static TypeInfo *find_type(PyTypeObject *tp) {
 /* ---- the state ------------------------------------------------------------ */
 
 /* A store kept as its encoding (encode_record() writes it anyway): one block
- * of C memory, so dropping it is a free(), not the release of an event of a
- * score of Python objects long out of the caches.  The walk hands it out as a
- * msgspec.Raw: the same bytes on the wire. */
+ * of Python's small-object allocator (PyObject_Malloc: the GIL held to make or
+ * free it), so dropping it is one free, not the release of an event of a score
+ * of Python objects long out of the caches.  The walk hands it out as a
+ * msgspec.Raw: the same wire. */
 typedef struct {
     uint32_t len;
     uint16_t type; /* its class, an index in g_types */
@@ -170,6 +171,7 @@ typedef struct {
     Vec hb;      /* uint64: the ops' hashes */
     Vec hf;      /* uint8: the ops' hashes' flags (1 interned, 2 absent: skip, 3 negative) */
     Vec dead;    /* PyObject *: events of dropped sources, released under the GIL */
+    Vec freed;   /* Enc *: encodings of dropped sources, freed under the GIL */
     Vec grave;   /* Grave: a forgotten state's events, released a slice a call */
     Vec stack;   /* uint32: sources to release (dependencies, iteratively) */
     Vec depbuf;  /* uint32 */
@@ -198,7 +200,8 @@ static PyTypeObject State_Type;
  * update it ends), so the graveyard drains at least as fast as a stream can
  * fill it and no update holds the GIL long for it. */
 typedef struct {
-    PyObject *ev;
+    PyObject *ev; /* or NULL, and */
+    Enc *enc;     /* a source's encoding */
     Py_ssize_t cost;
 } Grave;
 #define GRAVE_SLICE ((Py_ssize_t)1 << 15)
@@ -270,7 +273,9 @@ static int src_release_slow(State *st, uint32_t id) {
         Src *s = &st->src[sid];
         if (--s->refs > 0) continue;
         if (s->enc != NULL) {
-            free(s->enc);
+            Enc **d = (Enc **)vec_push(&st->freed);
+            if (d == NULL) return 0;
+            *d = s->enc;
             s->enc = NULL;
         } else {
             PyObject **d = (PyObject **)vec_push(&st->dead);
@@ -482,7 +487,8 @@ static void sweep(State *st, Py_ssize_t budget) {
     while (st->grave.n > 0 && budget > 0) {
         Grave g = VEC_AT(&st->grave, Grave, --st->grave.n); /* (taken first: re-entrant) */
         budget -= g.cost;
-        Py_DECREF(g.ev);
+        if (g.ev != NULL) Py_DECREF(g.ev);
+        else PyObject_Free(g.enc);
     }
     if (st->grave.n == 0) vec_trim(&st->grave);
 }
@@ -495,7 +501,7 @@ static void finish(State *st) {
         Op *op = &VEC_AT(&st->ops, Op, k);
         work += op->ntok + 1;
         Py_XDECREF(op->ev);
-        free(op->enc);
+        PyObject_Free(op->enc);
     }
     vec_trim(&st->ops);
     vec_trim(&st->hb);
@@ -511,6 +517,9 @@ static void finish(State *st) {
         if (f != NULL) *f = iid;
     }
     vec_trim(&st->izero);
+    for (size_t k = 0; k < st->freed.n; k++) PyObject_Free(VEC_AT(&st->freed, Enc *, k));
+    st->freed.n = 0;
+    vec_trim(&st->freed);
     /* (last: an event's release may run Python code) */
     size_t nd = st->dead.n;
     PyObject **dead = (PyObject **)st->dead.p;
@@ -527,21 +536,18 @@ static void finish(State *st) {
 static void forget_sources(State *st, int room) {
     for (uint32_t i = 0; i < st->nsrc_cap; i++) {
         Src *s = &st->src[i];
-        if (s->enc != NULL) {
-            free(s->enc);
-            s->enc = NULL;
-        } else if (s->ev == NULL) {
-            continue; /* a free slot */
-        } else {
-            Grave *g = (Grave *)vec_push(&st->grave);
-            if (g != NULL) {
-                g->ev = s->ev;
-                g->cost = 1 + s->ntok + (Py_ssize_t)s->size;
-            } else if (!room) {
-                Py_DECREF(s->ev); /* (OOM: released now) */
-            }
-            s->ev = NULL;
+        if (s->ev == NULL && s->enc == NULL) continue; /* a free slot */
+        Grave *g = (Grave *)vec_push(&st->grave);
+        if (g != NULL) {
+            g->ev = s->ev;
+            g->enc = s->enc;
+            g->cost = s->enc != NULL ? 1 : 1 + s->ntok + (Py_ssize_t)s->size;
+        } else if (!room) { /* (OOM: released now) */
+            if (s->ev != NULL) Py_DECREF(s->ev);
+            else PyObject_Free(s->enc);
         }
+        s->ev = NULL;
+        s->enc = NULL;
         if (s->size > 1) free(s->hs);
         if (s->ndeps > 1) free(s->deps);
         free(s->ifl);
@@ -589,6 +595,7 @@ static void forget(State *st) {
         Grave *g = (Grave *)vec_push(&st->grave);
         if (g != NULL) {
             g->ev = o;
+            g->enc = NULL;
             g->cost = 1;
         } else {
             Py_DECREF(o);
@@ -601,6 +608,7 @@ static void forget(State *st) {
         Grave *g = fresh == NULL ? NULL : (Grave *)vec_push(&st->grave);
         if (g != NULL) {
             g->ev = st->intern_ids;
+            g->enc = NULL;
             g->cost = 2 * PyDict_GET_SIZE(st->intern_ids);
             st->intern_ids = fresh;
         } else {
@@ -1325,7 +1333,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
             Op *op = &VEC_AT(&st->ops, Op, nops);
             size_t n = o->n - o->at;
             if (op->ev != NULL && n < UINT32_MAX) {
-                op->enc = (Enc *)malloc(sizeof(Enc) + n);
+                op->enc = (Enc *)PyObject_Malloc(sizeof(Enc) + n);
                 if (op->enc == NULL) {
                     PyErr_NoMemory();
                     PyErr_Clear();
@@ -1934,7 +1942,7 @@ static void state_init_fields(State *st) {
     st->ops = ops;
     st->hb = u64;
     st->hf = u8;
-    st->dead = ptr;
+    st->dead = st->freed = ptr;
     Vec grave = {NULL, 0, 0, sizeof(Grave)};
     st->grave = grave;
     st->oom = st->busy = 0;
@@ -1977,6 +1985,7 @@ static void State_dealloc(State *st) {
     vec_free(&st->hb);
     vec_free(&st->hf);
     vec_free(&st->dead);
+    vec_free(&st->freed);
     vec_free(&st->grave);
     vec_free(&st->stack);
     vec_free(&st->depbuf);
