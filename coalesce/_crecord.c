@@ -71,8 +71,8 @@ enum { F_HASHES, F_PARENT, F_TOKENS, F_MEDIUM, F_GROUP, F_LOCALITY, F_OWNERSHIP,
 static Py_ssize_t g_nogil_from = 128; /* hashes in a call from which the table is updated
                                        without the GIL (set_nogil_from) */
 #define MAX_SCOPES 0x7ffffff0u
-static int g_keep_encoded = 1; /* encode_record() keeps stores as their encoding
-                                  (set_keep_encoded) */
+static Py_ssize_t g_encoded_max = UINT32_MAX; /* the largest store (its Enc) encode_record()
+                                          keeps as its encoding (set_encoded_max) */
 
 typedef struct {
     PyTypeObject *type; /* strong reference, kept for the process's life */
@@ -1322,7 +1322,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
             break;
         }
         size_t nops = st->ops.n;
-        int encoded = g_keep_encoded && g_raw_type != NULL;
+        int encoded = g_encoded_max > 0 && g_raw_type != NULL;
         int r = read_event(st, ev, ti, !encoded);
         if (r <= 0) {
             PyErr_Clear();
@@ -1332,7 +1332,7 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
         if (st->ops.n > nops && encoded) { /* a store: kept as the bytes just written */
             Op *op = &VEC_AT(&st->ops, Op, nops);
             size_t n = o->n - o->at;
-            if (op->ev != NULL && n < UINT32_MAX) {
+            if (op->ev != NULL && (Py_ssize_t)(sizeof(Enc) + n) <= g_encoded_max) {
                 op->enc = (Enc *)PyObject_Malloc(sizeof(Enc) + n);
                 if (op->enc == NULL) {
                     PyErr_NoMemory();
@@ -2100,12 +2100,13 @@ static PyObject *cr_set_nogil_from(PyObject *self, PyObject *arg) {
     return PyLong_FromSsize_t(was);
 }
 
-static PyObject *cr_set_keep_encoded(PyObject *self, PyObject *arg) {
-    int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    int was = g_keep_encoded;
-    g_keep_encoded = on;
-    return PyBool_FromLong(was);
+static PyObject *cr_set_encoded_max(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n > (Py_ssize_t)UINT32_MAX) n = (Py_ssize_t)UINT32_MAX;
+    Py_ssize_t was = g_encoded_max;
+    g_encoded_max = n;
+    return PyLong_FromSsize_t(was);
 }
 
 static PyMethodDef methods[] = {
@@ -2116,9 +2117,10 @@ static PyMethodDef methods[] = {
     {"set_nogil_from", cr_set_nogil_from, METH_O,
      "set_nogil_from(n) -> int: release the GIL for calls of n hashes or more (-1:\n"
      "never); the previous setting (for benchmarks)."},
-    {"set_keep_encoded", cr_set_keep_encoded, METH_O,
-     "set_keep_encoded(on) -> bool: encode_record() keeps a store as its encoding\n"
-     "(else the event); the previous setting (for benchmarks and tests)."},
+    {"set_encoded_max", cr_set_encoded_max, METH_O,
+     "set_encoded_max(n) -> int: encode_record() keeps a store whose encoding takes\n"
+     "n bytes or fewer as that (0: none), else its event; the previous setting (for\n"
+     "benchmarks and tests)."},
     CSTRUCT_METHODS{NULL, NULL, 0, NULL},
 };
 
