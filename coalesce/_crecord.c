@@ -1321,8 +1321,8 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
             ok = 0;
             break;
         }
-        size_t nops = st->ops.n;
-        int encoded = g_encoded_max > 0 && g_raw_type != NULL;
+        size_t nops = st->ops.n, n = o->n - o->at;
+        int encoded = g_raw_type != NULL && (Py_ssize_t)(sizeof(Enc) + n) <= g_encoded_max;
         int r = read_event(st, ev, ti, !encoded);
         if (r <= 0) {
             PyErr_Clear();
@@ -1331,12 +1331,9 @@ static PyObject *State_encode_record(State *st, PyObject *const *args, Py_ssize_
         }
         if (st->ops.n > nops && encoded) { /* a store: kept as the bytes just written */
             Op *op = &VEC_AT(&st->ops, Op, nops);
-            size_t n = o->n - o->at;
-            if (op->ev != NULL && (Py_ssize_t)(sizeof(Enc) + n) <= g_encoded_max) {
+            if (op->ev != NULL) {
                 op->enc = (Enc *)PyObject_Malloc(sizeof(Enc) + n);
                 if (op->enc == NULL) {
-                    PyErr_NoMemory();
-                    PyErr_Clear();
                     ok = 0;
                     break;
                 }

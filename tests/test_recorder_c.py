@@ -538,14 +538,15 @@ def _decoded(chunk: list[Any]) -> Any:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(chunk))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_kept_stores_lists_of_ints_leave_the_cyclic_gc(fused: bool) -> None:
+@pytest.mark.parametrize("fused", [False, True, "events"])
+def test_a_kept_stores_lists_of_ints_leave_the_cyclic_gc(fused: bool | str) -> None:
     """The C state keeps every store whole, so a million kept blocks would be two
     million lists that each full collection of the engine's process walks: a kept
     store's hash and token lists of exact ints are untracked (no cycle can pass
     through them).  A list holding anything else, and a removal's list, are left
     as they are.  The fused path keeps a store as its bytes, not the event: it
-    holds none of them, and leaves the GC's bookkeeping alone."""
+    holds none of them, and leaves the GC's bookkeeping alone; set to keep events
+    (``set_encoded_max``: stores past a size), it untracks them as ``record()`` does."""
     rec = Recorder(100, accelerated=True)
     hashes, tokens, odd = [1, 2], [5, 6, 7, 8], [5, 6.0]
     gone = [3]
@@ -557,12 +558,18 @@ def test_a_kept_stores_lists_of_ints_leave_the_cyclic_gc(fused: bool) -> None:
     assert all(gc.is_tracked(x) for x in (hashes, tokens, odd, gone))
     batch = KVEventBatch(ts=0.0, events=events)
     before = [sys.getrefcount(x) for x in (*events, hashes, tokens)]
-    if fused:
+    if fused == "events":
+        was = _recorder._accel.set_encoded_max(16)  # (every store here is larger)
+        try:
+            assert rec.encode(batch) is not None
+        finally:
+            _recorder._accel.set_encoded_max(was)
+    elif fused:
         assert rec.encode(batch) is not None
     else:
         rec.record(batch)
     assert rec.held == 3
-    if fused:
+    if fused is True:
         assert [sys.getrefcount(x) for x in (*events, hashes, tokens)] == before
         assert all(gc.is_tracked(x) for x in (hashes, tokens, odd, gone))
     else:
