@@ -15,9 +15,9 @@
  *   order; each holds its store event whole for the program: the bytes
  *   encode_record() wrote for it (Enc: no Python object), or a strong
  *   reference to the event from record() (its hash and token lists of ints
- *   untracked by the cyclic GC); its hashes as keys, its dependencies and its refs (keys naming it +
- *   dependants).  A source is dropped as soon as its refs fall
- *   to 0 (the Python recorder collects at the end of the batch: the same
+ *   untracked by the cyclic GC); its hashes as keys, its dependencies and
+ *   its refs (keys naming it + dependants).  A source is dropped as soon as
+ *   its refs fall to 0 (the Python recorder collects at the end of the batch: the same
  *   state, since nothing can reach a source no key names).
  *
  * State.record(events, i) applies events[i:] in three phases: under the GIL
@@ -38,9 +38,8 @@
  * Encoder() encodes it (_cr_encode.h: the shapes and values it writes) and
  * its events read into ops as record() reads them, each event read once for
  * both, a store kept as the bytes written for it; then the ops applied as
- * above.  It declines (None, nothing recorded,
- * not even a scope interned) where record() would stop, or at a class or
- * value it does not write.
+ * above.  It declines (None, nothing recorded, not even a scope interned)
+ * where record() would stop, or at a class or value it does not write.
  *
  * State.walk(...) -> Walk: the replay program, a chunk per next() (the
  * Python recorder's chunks(), the same events in the same chunks; a store
@@ -803,7 +802,6 @@ static int hash_key(State *st, PyObject *o, int create, uint64_t *h, uint8_t *fl
     *flag = 1;
     return 1;
 }
-
 
 /* The k-byte big-endian unsigned int at *q (k <= 8) in *u, *q moved past it;
  * 0 when fewer than k bytes are left before end. */

@@ -40,7 +40,8 @@ Memory, in the C state: per held key one 24-byte slot of a table at most
 half full; per kept source one 96-byte slot, its event (the bytes the sender
 wrote for it when it went through :meth:`Recorder.encode`, else a strong
 reference to the event, shared, not copied) and its hashes as 64-bit keys (8
-bytes each, for the program); non-u64 hashes and scopes interned while a kept source stores them.
+bytes each, for the program); non-u64 hashes and scopes interned while a kept
+source stores them.
 Batches that cancel out leave it as it was (the table shrinks back once
 under 1/8 full).  In the Python dicts: per held key one dict entry, its count
 and source packed in one int (not tracked by the cyclic garbage collector,
