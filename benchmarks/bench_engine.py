@@ -3,7 +3,13 @@
 Engine model (bench_publish's): each step spins ``--cpu-us`` holding the GIL,
 calls ``publish()`` once, then waits ``--gpu-us`` on the "GPU" (``time.sleep``,
 GIL released: the only time a sender thread runs for free).  Three batch sizes
-that every sender drains as they come (about 20, 110 and 440 events); the load
+that every sender drains as they come (about 20, 110 and 440 events), of two
+streams (``bench_publish.make_batch``): ``seed``, the seed's shape (a GPU pool
+of 64 blocks whose evictions are copied to a CPU pool that never evicts, every
+store sharing one token list), and ``vLLM``, the shape of vLLM's own stream on
+that point (the CPU pool holds 32 steps of blocks and evicts, each store has
+its own token list).  The engine lets go of each batch once ``publish()``
+returns, as vLLM's scheduler does, so a sender frees what it sent.  The load
 column is the events offered per step over what vLLM's sender encodes and
 sends during one GPU wait, measured in this run.  Every publisher binds tcp
 loopback with a real SUB reading in a process of its own; publishers
@@ -67,6 +73,11 @@ WINDOWS = "coalesce+snap, windows"
 """Snapshots on, what was sent as it came gathered and compacted in windows of 512 events
 before it is recorded (``RECORD_WINDOW=512``): the A/B of the feed's windows."""
 FLOORS = ("floor: call", "floor: wake")
+# (stream, GPU blocks a step, the CPU pool in steps of blocks: None never evicts)
+SHAPES = (
+    *(("seed", blocks, None) for blocks in (7, 37, 148)),
+    *(("vLLM", blocks, 32) for blocks in (5, 28, 111)),
+)
 
 
 class _Floor:
@@ -117,7 +128,13 @@ def _pin(cpu: int | None) -> None:
 
 
 def one_run(
-    kind: str, blocks: int, steps: int, cpu_us: float, gpu_us: float, pin: bool = False
+    kind: str,
+    blocks: int,
+    steps: int,
+    cpu_us: float,
+    gpu_us: float,
+    pin: bool = False,
+    cpu_steps: int | None = None,
 ) -> tuple[float, float, float, int, float]:
     """(loop seconds, p50 us, p99 us, calls that found vLLM's queue full, CPU
     seconds of the publisher's own threads until everything was sent) of one
@@ -125,9 +142,10 @@ def one_run(
     everyone = os.sched_getaffinity(0) if pin else set()  # (Linux only)
     engine_cpu, rest_cpu = (min(everyone), max(everyone)) if pin else (None, None)
     _pin(rest_cpu)  # the publisher's threads and the reader start here
-    batches = [make_batch(i, blocks) for i in range(steps)]
+    batches: list[Any] = [make_batch(i, blocks, cpu_steps) for i in range(steps)]
     for b in batches:
         b.data_parallel_rank = None
+    del b
     gc.collect()
     gc.freeze()  # fresh lists by the thousand: keep cyclic-GC pauses out of the loop
     with socket.socket() as s, socket.socket() as s2:
@@ -160,13 +178,14 @@ def one_run(
     blocked = 0
     sender0 = cpu_seconds(threads)
     t0 = time.perf_counter()
-    for b in batches:
+    for i in range(steps):
         _spin(cpu_us)
         if vllm_queue is not None and vllm_queue.full():  # publish() will wait
             blocked += 1
         a = clock()
-        pub.publish(b)
+        pub.publish(batches[i])
         lat.append(clock() - a)
+        batches[i] = None  # the engine keeps no batch it published
         time.sleep(gpu)
     wall = time.perf_counter() - t0
     if kind == "stock":
@@ -215,6 +234,7 @@ def main() -> None:
         f"{'; engine thread pinned to a core of its own' if args.pin else ''}\n"
     )
     header(
+        "stream",
         "events/step",
         "load",
         "publisher",
@@ -226,14 +246,16 @@ def main() -> None:
         "stock blocked",
         "sender CPU ns/event",
     )
-    for blocks in (7, 37, 148):
-        events = len(make_batch(args.steps // 2, blocks).events)
+    for shape, blocks, cpu_steps in SHAPES:
+        events = len(make_batch(args.steps // 2, blocks, cpu_steps).events)
         runs: dict[str, list[tuple[float, float, float, int, float]]] = {k: [] for k in kinds}
         ratios: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 with policy(RECORD_WINDOW=512) if kind == WINDOWS else contextlib.nullcontext():
-                    run_ = one_run(kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin)
+                    run_ = one_run(
+                        kind, blocks, args.steps, args.cpu_us, args.gpu_us, args.pin, cpu_steps
+                    )
                 runs[kind].append(run_)
             for kind in kinds:
                 ratios[kind].append(runs[kind][-1][0] / runs["stock"][-1][0])
@@ -246,6 +268,7 @@ def main() -> None:
             interval = "" if kind == "stock" else f"{low:.2f}x-{high:.2f}x"
             sender = statistics.median(r[4] for r in runs[kind]) / (events * args.steps) * 1e9
             row(
+                shape,
                 events,
                 load,
                 kind,

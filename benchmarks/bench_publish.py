@@ -36,29 +36,30 @@ from coalesce_tools.results import header, run
 if REAL_VLLM:
     from vllm.distributed import kv_events as vk
 
-    def _store(h: int, p: int | None, medium: str) -> Any:
+    def _store(h: int, p: int | None, medium: str, tokens: list[int] | None = None) -> Any:
+        tokens = _TOKENS if tokens is None else tokens
         return vk.BlockStored(
             block_hashes=[h],
             parent_block_hash=p,
-            token_ids=_TOKENS,
+            token_ids=tokens,
             block_size=16,
             lora_id=None,
             medium=medium,
             lora_name=None,
         )
 
-    def _removed(h: int) -> Any:
-        return vk.BlockRemoved(block_hashes=[h], medium="GPU")
+    def _removed(h: int, medium: str = "GPU") -> Any:
+        return vk.BlockRemoved(block_hashes=[h], medium=medium)
 
     def _batch(events: list[Any]) -> Any:
         return vk.KVEventBatch(ts=time.time(), events=events)
 else:
 
-    def _store(h: int, p: int | None, medium: str) -> Any:
-        return BlockStored([h], p, _TOKENS, 16, None, medium, None)
+    def _store(h: int, p: int | None, medium: str, tokens: list[int] | None = None) -> Any:
+        return BlockStored([h], p, _TOKENS if tokens is None else tokens, 16, None, medium, None)
 
-    def _removed(h: int) -> Any:
-        return BlockRemoved([h], "GPU")
+    def _removed(h: int, medium: str = "GPU") -> Any:
+        return BlockRemoved([h], medium)
 
     def _batch(events: list[Any]) -> Any:
         return KVEventBatch(ts=time.time(), events=events)
@@ -67,16 +68,29 @@ else:
 _TOKENS = list(range(16))  # shared by every store: memory, not meaning
 
 
-def make_batch(step: int, blocks: int) -> Any:
-    """One engine step of an offload workload: ``blocks`` GPU stores, evictions, CPU copies."""
+def make_batch(step: int, blocks: int, cpu_steps: int | None = None) -> Any:
+    """One engine step of an offload workload: ``blocks`` GPU stores, evictions, CPU copies.
+
+    The GPU pool holds 64 blocks; each block evicted from it is copied to the
+    CPU.  ``cpu_steps=None`` (the seed's shape): the CPU pool never evicts and
+    every store shares one token list.  ``cpu_steps=n`` (vLLM's shape): the CPU
+    pool holds ``n`` steps of blocks and evicts the oldest (a CPU removal before
+    each CPU store once it is full), and every store has a token list of its
+    own, as vLLM's scheduler makes them.
+    """
     events: list[Any] = []
     base = step * blocks
+    cpu_pool = None if cpu_steps is None else cpu_steps * blocks
     for j in range(blocks):
         h = base + j + 1
-        events.append(_store(h, h - 1 if h > 1 else None, "GPU"))
+        tokens = None if cpu_pool is None else list(_TOKENS)
+        events.append(_store(h, h - 1 if h > 1 else None, "GPU", tokens))
         if h > 64:
             events.append(_removed(h - 64))
-            events.append(_store(h - 64, h - 65 if h > 65 else None, "CPU"))
+            if cpu_pool is not None and h - 64 > cpu_pool:
+                events.append(_removed(h - 64 - cpu_pool, "CPU"))
+            tokens = None if cpu_pool is None else list(_TOKENS)
+            events.append(_store(h - 64, h - 65 if h > 65 else None, "CPU", tokens))
     return _batch(events)
 
 
