@@ -392,9 +392,18 @@ def _engine_main(
     engine = Engine(cfg, rank)
     # The model runs first, so that a step costs exactly step_cpu_us + step_gpu_us
     # whatever the model's own cost (bursts take it milliseconds of Python).
-    steps = [cfg.split(as_engine_events(cfg.engine, engine.step())) for _ in range(cfg.steps)]
-    published = [chunk for chunks in steps for chunk in chunks]  # every publish(), in order
-    events_in = sum(map(len, published))
+    steps: list[Any] = [
+        cfg.split(as_engine_events(cfg.engine, engine.step())) for _ in range(cfg.steps)
+    ]
+    # Every publish()'s events and wire bytes, in order: the engine lets go of each
+    # batch once published, as vLLM's scheduler does, so the sender frees what it sent.
+    enc = msgspec.msgpack.Encoder()
+    sizes = [
+        (len(events), len(enc.encode(KVEventBatch(0.0, events, rank))))
+        for chunks in steps
+        for events in chunks
+    ]
+    events_in = sum(n for n, _ in sizes)
     gc.collect()
     gc.freeze()  # keep cyclic-GC pauses over those objects out of the timings
     base_mb = peak_mb = _rss_mb()
@@ -414,7 +423,8 @@ def _engine_main(
         barrier.wait(_BARRIER_S)  # every rank warmed up and heard: start together
     start = time.perf_counter()
     began = clock()
-    for step, chunks in enumerate(steps):
+    for step in range(len(steps)):
+        chunks, steps[step] = steps[step], None
         if barrier is not None:
             barrier.wait(_BARRIER_S)  # the DP group's step boundary
         now = clock()
@@ -435,6 +445,7 @@ def _engine_main(
                 and getattr(pub, "dropped", 0) == dropped_before
             )
             worst = max(worst, dt)
+        chunks = events = None  # (nothing published stays referenced here)
         time.sleep(cfg.step_gpu_us / 1e6)  # the GPU: the GIL is free
         if step % _SAMPLE_EVERY == _SAMPLE_EVERY - 1:
             progress.value = step + 1
@@ -454,8 +465,7 @@ def _engine_main(
         while pub._event_queue.qsize() and time.monotonic() < deadline:
             time.sleep(0.001)
     peak_mb = max(peak_mb, _rss_mb())
-    enc = msgspec.msgpack.Encoder()
-    kept = [evs for evs, ok in zip(published, accepted, strict=True) if ok]
+    kept = [size for size, ok in zip(sizes, accepted, strict=True) if ok]
     lat.sort()
     out.put(
         {
@@ -466,8 +476,8 @@ def _engine_main(
             "p99": lat[int(len(lat) * 0.99)] / 1e3,
             "max": lat[-1] / 1e3,
             "events_in": events_in,
-            "events_accepted": sum(map(len, kept)),
-            "bytes_accepted": sum(len(enc.encode(KVEventBatch(0.0, e, rank))) for e in kept),
+            "events_accepted": sum(n for n, _ in kept),
+            "bytes_accepted": sum(b for _, b in kept),
             "dropped": accepted.count(False),
             "markers": pub.stats().loss_markers if hasattr(pub, "stats") else 0,
             "blocked": blocked,
