@@ -118,16 +118,24 @@ def _spin(us: float) -> None:
 def run_engine(
     make_pub: Callable[[], Any], batches: list[Any], cpu_us: float, gpu_us: float
 ) -> dict[str, Any]:
+    """One engine loop over ``batches`` (fresh ones: the loop lets go of each
+    batch once ``publish()`` returns, as vLLM's scheduler does)."""
+    n = len(batches)
+    for b in batches:
+        b.data_parallel_rank = None
+    del b
+    gc.collect()
+    gc.freeze()  # many fresh lists: keep cyclic GC pauses out of the timings
     pub = make_pub()
     lat: list[int] = []
     clock = time.perf_counter_ns
     t_start = time.perf_counter()
-    for b in batches:
-        b.data_parallel_rank = None
+    for i in range(n):
         _spin(cpu_us)
         t0 = clock()
-        pub.publish(b)
+        pub.publish(batches[i])
         lat.append(clock() - t0)
+        batches[i] = None
         time.sleep(gpu_us / 1e6)
     out: dict[str, Any] = {"wall_ms": (time.perf_counter() - t_start) * 1e3}
     if isinstance(pub, CoalescingPublisher):
@@ -147,7 +155,8 @@ def run_engine(
         while pub._event_queue.qsize() and time.monotonic() < deadline:
             time.sleep(0.001)
         pub.shutdown()
-        out.update(dropped=dropped, messages=len(batches) - dropped, gaps=0, bytes=None)
+        out.update(dropped=dropped, messages=n - dropped, gaps=0, bytes=None)
+    gc.unfreeze()
     lat.sort()
     out.update(
         p50_us=lat[len(lat) // 2] / 1e3,
@@ -196,10 +205,7 @@ def bench_overload(steps: int, cpu_us: float, gpu_us: float, queue: int, repeats
     cls = {"stock": StockPublisher, "drop": DropPublisher, "coalesce": CoalescingPublisher}
     for load in (0.5, 1, 2, 5, 10):
         blocks = max(1, round(load * rate * gpu_eff / 3))
-        batches = [make_batch(i, blocks) for i in range(steps)]
-        raw = sum(len(enc.encode(b)) for b in batches)
-        gc.collect()
-        gc.freeze()  # millions of fresh lists: keep cyclic GC pauses out of the timings
+        raw = sum(len(enc.encode(make_batch(i, blocks))) for i in range(steps))
         base: dict[str, Any] = {}
         for name in ("stock", "drop", "coalesce"):
             runs = []
@@ -211,7 +217,9 @@ def bench_overload(steps: int, cpu_us: float, gpu_us: float, queue: int, repeats
                     endpoint=f"inproc://bench-{os.getpid()}-{n}",
                     max_queue_size=queue,
                 )
+                batches = [make_batch(i, blocks) for i in range(steps)]
                 runs.append(run_engine(ctor, batches, cpu_us, gpu_us))
+                del batches
             r = {k: statistics.median(run[k] for run in runs) for k in runs[0] if k != "bytes"}
             r["max_us"] = max(run["max_us"] for run in runs)
             r["bytes"] = runs[0]["bytes"]
@@ -226,8 +234,6 @@ def bench_overload(steps: int, cpu_us: float, gpu_us: float, queue: int, repeats
                 f"{r['stall_ms'] / base['stall_ms']:.3f} | {r['wall_ms']:.0f} | "
                 f"{r['dropped']:.0f} | {r['gaps']:.0f} | {r['messages']:.0f} | {wire} |"
             )
-        gc.unfreeze()
-        del batches
 
 
 def bench_compactor() -> None:
